@@ -1,0 +1,179 @@
+"""Every touch of TensorFlow internals, in one place.
+
+Two kinds of things live here:
+  * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
+    TF upgrade that renames them breaks one file;
+  * six hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
+    function, forwards to the original, and only acts on the graph epl was initialised for:
+
+    ======================================  ==================================================
+    hooked function                          why
+    ======================================  ==================================================
+    gradients_util._GradientsHelper          force ``colocate_gradients_with_ops=True`` so each
+                                             gradient op is attributable to its forward op;
+                                             record the ids of the backward ops
+    training.optimizer.Optimizer             record the (gradient, variable) pairs and the ids
+      .apply_gradients                       of the apply ops (gradient sync hooks in here)
+    monitored_session.Scaffold.finalize      rewrite the graph before MonitoredTrainingSession
+                                             builds init/ready/saver ops from it
+    ops.Graph.finalize                       rewrite before a user finalizes the graph
+    session.BaseSession.__init__             add epl's devices/threads to the ConfigProto
+    session.BaseSession.run                  rewrite before the first step; map fetches (mean
+                                             of a replicated loss); copy replica 0's variables
+                                             to the other replicas after init/restore runs
+    ======================================  ==================================================
+"""
+import contextlib
+import functools
+import inspect
+
+from tensorflow.python.client import session as _session
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gradients_util as _gradients_util
+from tensorflow.python.training import monitored_session as _monitored_session
+from tensorflow.python.training import optimizer as _optimizer
+
+
+# ---- private accessors -----------------------------------------------------------------------
+def op_id(op):
+  """Creation order id of ``op`` in its graph (``graph.version`` is the last one given)."""
+  return op._id  # pylint: disable=protected-access
+
+
+def set_device(op, device):
+  op._set_device(device)  # pylint: disable=protected-access
+
+
+def update_input(op, index, tensor):
+  op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def control_outputs(op):
+  """Ops that have ``op`` as a control input."""
+  return op._control_outputs  # pylint: disable=protected-access
+
+
+def add_control_inputs(op, control_ops):
+  if control_ops:
+    op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def unfinalized(graph):
+  """Lets epl add its own ops to a finalized graph, then finalizes it again."""
+  was = graph.finalized
+  if was:
+    graph._unsafe_unfinalize()  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    if was:
+      _ORIGINALS.get("Graph.finalize", _ops.Graph.finalize)(graph)
+
+
+# ---- hooks -----------------------------------------------------------------------------------
+_ORIGINALS = {}
+_listener = None
+
+
+def _install(owner, attr, key, make_wrapper):
+  original = getattr(owner, attr)
+  _ORIGINALS[key] = original
+  wrapper = make_wrapper(original)
+  functools.update_wrapper(wrapper, original)
+  wrapper.__epl_hook__ = True
+  setattr(owner, attr, wrapper)
+
+
+def install(listener):
+  """Installs the hooks; ``listener`` receives the events (see epl.runtime.driver)."""
+  global _listener
+  _listener = listener
+  if _ORIGINALS:
+    return
+  helper_sig = inspect.signature(_gradients_util._GradientsHelper)  # pylint: disable=protected-access
+
+  def gradients_wrapper(original):
+    def helper(*args, **kwargs):
+      graph = _ops.get_default_graph()
+      if _listener is None or not _listener.manages(graph):
+        return original(*args, **kwargs)
+      bound = helper_sig.bind(*args, **kwargs)
+      bound.arguments["colocate_gradients_with_ops"] = True
+      first = graph.version + 1
+      result = original(*bound.args, **bound.kwargs)
+      _listener.on_phase(graph, first, graph.version, "backward")
+      return result
+    return helper
+
+  def apply_wrapper(original):
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+      graph = _ops.get_default_graph()
+      if _listener is None or not _listener.manages(graph):
+        return original(self, grads_and_vars, global_step=global_step, name=name)
+      grads_and_vars = tuple(grads_and_vars)
+      first = graph.version + 1
+      result = original(self, grads_and_vars, global_step=global_step, name=name)
+      _listener.on_phase(graph, first, graph.version, "apply")
+      _listener.on_apply(graph, grads_and_vars)
+      return result
+    return apply_gradients
+
+  def scaffold_wrapper(original):
+    def finalize(self):
+      graph = _ops.get_default_graph()
+      if _listener is not None and _listener.manages(graph) and not graph.finalized:
+        _listener.before_session(graph)
+      return original(self)
+    return finalize
+
+  def graph_finalize_wrapper(original):
+    def finalize(self):
+      if _listener is not None and _listener.manages(self) and not self.finalized:
+        _listener.before_session(self)
+      return original(self)
+    return finalize
+
+  def session_init_wrapper(original):
+    def __init__(self, target="", graph=None, config=None):
+      g = graph if graph is not None else _ops.get_default_graph()
+      if _listener is not None and _listener.manages(g):
+        target, config = _listener.session_args(g, target, config)
+      return original(self, target, graph, config)
+    return __init__
+
+  def session_run_wrapper(original):
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+      if _listener is not None and _listener.manages(self.graph):
+        return _listener.run(self, original, fetches, feed_dict, options, run_metadata)
+      return original(self, fetches, feed_dict, options, run_metadata)
+    return run
+
+  _install(_gradients_util, "_GradientsHelper", "_GradientsHelper", gradients_wrapper)
+  _install(_optimizer.Optimizer, "apply_gradients", "apply_gradients", apply_wrapper)
+  _install(_monitored_session.Scaffold, "finalize", "Scaffold.finalize", scaffold_wrapper)
+  _install(_ops.Graph, "finalize", "Graph.finalize", graph_finalize_wrapper)
+  _install(_session.BaseSession, "__init__", "BaseSession.__init__", session_init_wrapper)
+  _install(_session.BaseSession, "run", "BaseSession.run", session_run_wrapper)
+
+
+def uninstall():
+  """Removes every hook, restoring TF's own functions."""
+  global _listener
+  _listener = None
+  targets = {
+      "_GradientsHelper": (_gradients_util, "_GradientsHelper"),
+      "apply_gradients": (_optimizer.Optimizer, "apply_gradients"),
+      "Scaffold.finalize": (_monitored_session.Scaffold, "finalize"),
+      "Graph.finalize": (_ops.Graph, "finalize"),
+      "BaseSession.__init__": (_session.BaseSession, "__init__"),
+      "BaseSession.run": (_session.BaseSession, "run"),
+  }
+  for key, original in list(_ORIGINALS.items()):
+    owner, attr = targets[key]
+    setattr(owner, attr, original)
+  _ORIGINALS.clear()
+
+
+def installed():
+  return bool(_ORIGINALS)

@@ -1,0 +1,190 @@
+"""Strategy scopes (``replicate``, ``split``, ``set_default_strategy``) and op capture.
+
+A scope records which ops the user created inside it by op id: the graph's version at entry
+and exit bound the ids (the "capture ops" idea; nothing in TF is patched for it). Ops outside
+every scope are assigned by EPL's rules (see ``Recorder.taskgraph_of``). The scope stack is
+thread-local and only lives while the graph is built.
+
+Example:
+  >>> with epl.replicate(device_count=1, name="stage_0"):
+  ...   hidden = tf.layers.dense(x, 16)
+"""
+import bisect
+import dataclasses
+import os
+import sys
+import threading
+from typing import Optional
+
+from epl.errors import AnnotationError
+
+REPLICATE = "replicate"
+SPLIT = "split"
+
+_local = threading.local()
+
+
+def _stack():
+  if not hasattr(_local, "stack"):
+    _local.stack = []
+  return _local.stack
+
+
+def _user_location():
+  """file:line of the user's code that entered a scope (first frame outside epl)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  frame = sys._getframe(1)
+  while frame and os.path.abspath(frame.f_code.co_filename).startswith(here):
+    frame = frame.f_back
+  if frame is None:
+    return "<unknown>"
+  return "%s:%d" % (os.path.basename(frame.f_code.co_filename), frame.f_lineno)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskGraphSpec:
+  """What one annotation asked for: recorded at graph-build time."""
+  index: int
+  kind: str                # REPLICATE or SPLIT
+  device_count: Optional[int]
+  name: str
+  location: str            # file:line where the user opened the scope
+
+  def describe(self):
+    return "%s(device_count=%s, name=%r) at %s" % (
+        self.kind, self.device_count, self.name, self.location)
+
+
+class Strategy:
+  """A strategy annotation; use as a context manager or pass to ``set_default_strategy``."""
+
+  def __init__(self, kind, device_count, name):
+    if device_count is not None and (isinstance(device_count, bool) or
+                                     not isinstance(device_count, int) or device_count < 1):
+      raise AnnotationError("epl.%s(device_count=%r): device_count must be a positive int" %
+                            (kind, device_count))
+    self.kind, self.device_count, self.name = kind, device_count, name
+    self._recorder = None
+
+  def __enter__(self):
+    from epl.env import Env
+    stack = _stack()
+    location = _user_location()
+    if stack:
+      outer = stack[-1]
+      raise AnnotationError(
+          "epl scopes cannot be nested: %s opened inside %s. Close the outer scope first; "
+          "each scope is one TaskGraph." % (self._describe(location), outer[1].describe()))
+    recorder = Env.get().state().recorder
+    spec = recorder.enter_scope(self, location)
+    stack.append((self, spec))
+    self._recorder = recorder
+    return self
+
+  def __exit__(self, *exc):
+    _, spec = _stack().pop()
+    self._recorder.exit_scope(spec)
+    self._recorder = None
+    return False
+
+  def _describe(self, location):
+    return "%s(device_count=%s, name=%r) at %s" % (self.kind, self.device_count, self.name,
+                                                   location)
+
+  def __repr__(self):
+    return "epl.%s(device_count=%s, name=%r)" % (self.kind, self.device_count, self.name)
+
+
+def replicate(device_count=None, name=None):
+  """Ops created inside form one TaskGraph trained data-parallel.
+
+  Args:
+    device_count: devices one model replica of this TaskGraph uses (default 1); with k > 1
+      each replica's batch is split over its k devices.
+    name: a name for the TaskGraph (shown by ``epl.Graph.get().format()``).
+  Returns:
+    A context manager (also accepted by ``set_default_strategy``).
+  """
+  return Strategy(REPLICATE, device_count, name)
+
+
+def split(device_count=None, name=None):
+  """Ops created inside form one TaskGraph split over ``device_count`` devices."""
+  return Strategy(SPLIT, device_count, name)
+
+
+def set_default_strategy(strategy):
+  """Ops created outside any scope from now on form a new TaskGraph with ``strategy``.
+
+  Raises:
+    AnnotationError: ``strategy`` is not an epl strategy, or a scope is open.
+  """
+  from epl.env import Env
+  if not isinstance(strategy, Strategy):
+    raise AnnotationError("epl.set_default_strategy expects epl.replicate(...) or epl.split(...), "
+                          "got %r" % (strategy,))
+  location = _user_location()
+  if _stack():
+    raise AnnotationError("epl.set_default_strategy(%r) called at %s inside the scope %s; call it "
+                          "outside every scope" % (strategy, location, _stack()[-1][1].describe()))
+  Env.get().state().recorder.set_default(strategy, location)
+
+
+class Recorder:
+  """Records TaskGraphs and op-id intervals of one graph while the user builds it.
+
+  Segments map op ids to TaskGraphs: segment i covers ids in (start_i, start_{i+1}].
+  Phase intervals (backward/apply) come from the compat hooks around gradient and optimizer
+  calls; ``grads_and_vars`` are the pairs every ``apply_gradients`` call saw.
+  """
+
+  def __init__(self, graph):
+    self.graph = graph
+    self.specs = []          # TaskGraphSpec, in creation order
+    self._starts = []        # segment start versions (sorted)
+    self._owners = []        # TaskGraph index per segment
+    self._default = None     # TaskGraph index of the current default strategy
+    self.phase_intervals = []  # (first_id, last_id, phase)
+    self.grads_and_vars = []   # (grad, var) pairs given to apply_gradients
+
+  def _new_spec(self, strategy, location):
+    spec = TaskGraphSpec(len(self.specs), strategy.kind, strategy.device_count,
+                         strategy.name or "taskgraph_%d" % len(self.specs), location)
+    self.specs.append(spec)
+    return spec
+
+  def _segment(self, owner):
+    version = self.graph.version
+    if self._starts and self._starts[-1] == version:
+      self._owners[-1] = owner     # nothing was created in the previous segment
+    else:
+      self._starts.append(version)
+      self._owners.append(owner)
+
+  def enter_scope(self, strategy, location):
+    spec = self._new_spec(strategy, location)
+    self._segment(spec.index)
+    return spec
+
+  def exit_scope(self, spec):
+    self._segment(self._default if self._default is not None else spec.index)
+
+  def set_default(self, strategy, location):
+    spec = self._new_spec(strategy, location)
+    self._default = spec.index
+    self._segment(spec.index)
+
+  def add_phase(self, first_id, last_id, phase):
+    if last_id >= first_id:
+      self.phase_intervals.append((first_id, last_id, phase))
+
+  def taskgraph_of(self, op_id):
+    """TaskGraph index of a (forward) op by EPL's rules, or None without annotations.
+
+    Inside a scope: that scope. Outside: the default strategy's TaskGraph if one is set,
+    else the most recent TaskGraph; ops created before the first annotation join the first.
+    """
+    if not self.specs:
+      return None
+    i = bisect.bisect_left(self._starts, op_id) - 1
+    return self._owners[i] if i >= 0 else self._owners[0]

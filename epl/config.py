@@ -1,0 +1,200 @@
+"""epl.Config: typed configuration, the only reader of ``EPL_*`` environment variables.
+
+Precedence: the dict given to ``Config`` > ``EPL_<SECTION>_<KEY>`` > the default. Every key of
+the user contract (docs/configuration.md) is in ``KEYS``; an unknown key is an error that
+suggests the closest valid key, and a key whose feature is not built yet is refused when set to
+anything but its default.
+
+Example:
+  >>> config = Config({"pipeline.num_micro_batch": 1})
+  >>> config.pipeline.num_micro_batch
+  1
+"""
+import dataclasses
+import os
+import types
+from typing import Any, Callable, Optional, Tuple
+
+from epl.errors import ConfigError, NotImplementedYetError, closest
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """One configuration key: its type, default, allowed values and whether it is built."""
+  name: str
+  kind: str                          # "int", "bool", "str", "loss_scale"
+  default: Any
+  choices: Tuple[str, ...] = ()      # for "str": allowed spellings (matched case-insensitively)
+  minimum: Optional[int] = None      # for "int"
+  built: bool = True                 # False: only the default is accepted
+  check: Optional[Callable[[Any], bool]] = None
+  help: str = ""
+
+  @property
+  def env_name(self):
+    return "EPL_" + self.name.replace(".", "_").upper()
+
+
+def _k(*args, **kwargs):
+  return Key(*args, **kwargs)
+
+
+KEYS = {k.name: k for k in [
+    _k("pipeline.num_micro_batch", "int", 1, minimum=1, built=False,
+       help="micro-batches per step (pipeline / gradient accumulation)"),
+    _k("pipeline.num_stages", "int", -1, built=False, help="stages for auto.auto_parallel"),
+    _k("pipeline.strategy", "str", "PreferBackward", ("PreferBackward", "PreferForward"),
+       help="pipeline schedule"),
+    _k("gradient_checkpoint.type", "str", "", ("", "collection", "auto"), built=False),
+    _k("gradient_checkpoint.end_taskgraph", "int", -1, built=False),
+    _k("gradient_checkpoint.check_gradients", "bool", False, built=False),
+    _k("zero.level", "str", "", ("", "v0", "v1", "v2"), built=False),
+    _k("offload.level", "str", "", ("", "v0"), built=False),
+    _k("amp.level", "str", "", ("", "O1"), built=False),
+    _k("amp.loss_scale", "loss_scale", "dynamic", built=False),
+    _k("amp.debug_log", "bool", False, built=False),
+    _k("optimizer.num_apply_group", "int", 1, minimum=1, built=False),
+    _k("cluster.device_place_prefer_intra_node", "bool", True),
+    _k("cluster.run_visible_devices", "str", ""),
+    _k("cluster.colocate_split_and_replicate", "bool", False, built=False),
+    _k("cluster.devices_per_worker", "int", 0, minimum=0,
+       help="accelerators per worker; 0 = all visible GPUs, or 1 virtual CPU device"),
+    _k("communication.num_communicators", "int", 2, minimum=1, built=False),
+    _k("communication.sparse_as_dense", "bool", False),
+    _k("communication.max_splits", "int", 5, minimum=1),
+    _k("communication.fp16", "bool", False, built=False),
+    _k("communication.fp16_scale", "int", 128, minimum=1, built=False),
+    _k("communication.clip_after_allreduce", "bool", False, built=False),
+    _k("communication.gradients_reduce_method", "str", "mean", ("mean", "sum")),
+    _k("communication.collective_timeout", "int", 600, minimum=1,
+       help="seconds a collective may wait for its peers before failing (no hangs)"),
+    _k("io.slicing", "bool", False, built=False),
+    _k("io.unbalanced_io_slicing", "bool", False, built=False),
+    _k("io.drop_last_files", "bool", False, built=False),
+    _k("auto.auto_parallel", "bool", False, built=False),
+]}
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off", "")
+
+
+def _parse(key, value, from_env):
+  """Returns ``value`` converted to ``key``'s type, or raises ConfigError naming the key."""
+  def bad(expected):
+    source = " (from environment variable %s)" % key.env_name if from_env else ""
+    return ConfigError("Config key %r%s got %r; expected %s." % (key.name, source, value, expected))
+
+  if key.kind == "bool":
+    if isinstance(value, bool):
+      return value
+    if from_env and isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+      return value.strip().lower() in _TRUE
+    raise bad("a bool (True/False%s)" % ("; true/false/1/0 in the environment" if from_env else ""))
+  if key.kind == "int":
+    if isinstance(value, bool):
+      raise bad("an int")
+    if isinstance(value, str) and from_env:
+      try:
+        value = int(value.strip())
+      except ValueError:
+        raise bad("an int") from None
+    if not isinstance(value, int):
+      raise bad("an int")
+    if key.minimum is not None and value < key.minimum and value != key.default:
+      raise bad("an int >= %d" % key.minimum)
+    return value
+  if key.kind == "str":
+    if not isinstance(value, str):
+      raise bad("a string, one of %s" % ", ".join(repr(c) for c in key.choices))
+    if key.choices:
+      for choice in key.choices:
+        if choice.lower() == value.strip().lower():
+          return choice
+      raise bad("one of %s" % ", ".join(repr(c) for c in key.choices))
+    return value
+  if key.kind == "loss_scale":
+    if isinstance(value, str):
+      if value.strip().lower() == "dynamic":
+        return "dynamic"
+      try:
+        value = float(value)
+      except ValueError:
+        raise bad('"dynamic" or a positive number') from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+      raise bad('"dynamic" or a positive number')
+    return value
+  raise AssertionError(key.kind)
+
+
+def _unknown(name):
+  hint = closest(name, KEYS)
+  fix = "did you mean %r?" % hint if hint else "see docs/configuration.md for the keys"
+  return ConfigError("Unknown epl config key %r: %s" % (name, fix))
+
+
+class Config:
+  """Typed epl configuration.
+
+  Args:
+    param_dict: optional dict of ``"section.key": value``.
+
+  Raises:
+    ConfigError: unknown key (with the closest valid key), or a value of the wrong type.
+    NotImplementedYetError: a key whose feature is not built yet, set to a non-default value.
+
+  Values are read as ``config.get("pipeline.num_micro_batch")`` or as attributes
+  ``config.pipeline.num_micro_batch``.
+  """
+
+  def __init__(self, param_dict=None, environ=None):
+    environ = os.environ if environ is None else environ
+    param_dict = dict(param_dict or {})
+    for name in param_dict:
+      if not isinstance(name, str) or name not in KEYS:
+        raise _unknown(str(name))
+    for var in environ:
+      if var.startswith("EPL_") and var not in _ENV_NAMES and var.count("_") >= 2:
+        section = var[4:].split("_", 1)[0].lower()
+        if section in _SECTIONS:
+          raise _unknown(var[4:].lower().replace("_", ".", 1) + " (environment variable %s)" % var)
+    values = {}
+    for name, key in KEYS.items():
+      if name in param_dict:
+        value = _parse(key, param_dict[name], from_env=False)
+      elif key.env_name in environ:
+        value = _parse(key, environ[key.env_name], from_env=True)
+      else:
+        value = key.default
+      if not key.built and value != key.default:
+        raise NotImplementedYetError(
+            "Config key %r=%r: this feature is not implemented yet in epl; remove the key "
+            "(default %r)." % (name, value, key.default))
+      values[name] = value
+    object.__setattr__(self, "_values", values)
+    for section in _SECTIONS:
+      prefix = section + "."
+      object.__setattr__(self, section, types.SimpleNamespace(**{
+          n[len(prefix):]: v for n, v in values.items() if n.startswith(prefix)}))
+
+  def get(self, name):
+    """Returns the value of key ``name`` (``"section.key"``)."""
+    if name not in self._values:
+      raise _unknown(name)
+    return self._values[name]
+
+  def to_dict(self):
+    return dict(self._values)
+
+  def __setattr__(self, name, value):
+    raise AttributeError("epl.Config is read-only; build a new Config({...}) instead")
+
+  def __eq__(self, other):
+    return isinstance(other, Config) and other._values == self._values
+
+  def __repr__(self):
+    changed = {n: v for n, v in self._values.items() if v != KEYS[n].default}
+    return "epl.Config(%r)" % changed
+
+
+_SECTIONS = sorted({name.split(".")[0] for name in KEYS})
+_ENV_NAMES = {key.env_name for key in KEYS.values()}

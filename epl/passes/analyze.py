@@ -1,0 +1,157 @@
+"""Step analysis: which ops one model copy must own, and which stay shared.
+
+Expects: the user's graph and its op -> TaskGraph attribution (epl.plan.build).
+Adds nothing to the graph; returns a ``StepAnalysis``:
+
+* ``per_copy`` (D): ops downstream of a data source (``get_next``, a batch placeholder) or of
+  a stateful random op feeding them, by data edges; pure ops reached by control edges only
+  (constants inside a ``tf.cond`` branch) join D; a stateful op or NoOp reached by control
+  edges only is a *singleton* (the optimizer's ``finish`` group, ``global_step += 1``): it
+  runs once per step and waits for every copy.
+* mirrored variables: variables read or written by D that no singleton writes. Each copy gets
+  its own; copy 0 keeps the user's (names and checkpoints unchanged).
+* read chains: ops between a mirrored variable and D (``kernel/read``), cloned with it.
+* v1 while frames are cloned whole.
+"""
+import dataclasses
+from typing import FrozenSet, Tuple
+
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.passes.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, VARIABLE_OPS
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAnalysis:
+  cloned: Tuple[tf.Operation, ...]       # ops every extra copy clones, in creation order
+  mirrored: Tuple[tf.Operation, ...]     # variable ops with one copy per model copy
+  singletons: Tuple[tf.Operation, ...]   # step ops that run once and wait for all copies
+  sources: Tuple[tf.Operation, ...]      # data-source ops (cloned per replica)
+  split_placeholders: Tuple[tf.Operation, ...]  # fed batches split over the copies
+  cloned_set: FrozenSet[tf.Operation] = frozenset()
+
+  def __str__(self):
+    return "StepAnalysis(%d cloned ops, %d mirrored variables, %d singletons, %d sources)" % (
+        len(self.cloned), len(self.mirrored), len(self.singletons), len(self.sources))
+
+
+def _is_batch_placeholder(op):
+  if op.type != "Placeholder":
+    return False
+  shape = op.outputs[0].shape
+  return shape.rank is not None and shape.rank >= 1 and shape.dims[0].value is None
+
+
+def analyze(graph, owner, global_step_ops=()):
+  """Returns the StepAnalysis of the ops in ``owner`` (op -> TaskGraph)."""
+  in_scope = owner.keys()
+  sources = [op for op in owner if op.type in DATA_SOURCE_OPS]
+  placeholders = [op for op in owner if _is_batch_placeholder(op)]
+  d = set()
+  singletons = set()
+
+  def close(roots):
+    work = [r for r in roots if r not in d]
+    d.update(work)
+    while work:
+      op = work.pop()
+      for t in op.outputs:
+        for c in t.consumers():
+          if c not in d and c in in_scope:
+            d.add(c)
+            singletons.discard(c)
+            work.append(c)
+      for c in compat.control_outputs(op):
+        if c in d or c not in in_scope:
+          continue
+        if c.type == "NoOp" or c.op_def.is_stateful:
+          singletons.add(c)
+        else:
+          d.add(c)
+          work.append(c)
+
+  close(sources + placeholders)
+  # Stateful random ops feeding D without depending on data (dropout with a static shape).
+  seen, work, randoms = set(), [i.op for op in d for i in op.inputs if i.op not in d], []
+  while work:
+    op = work.pop()
+    if op in seen or op in d or op not in in_scope or op.type in VARIABLE_OPS:
+      continue
+    seen.add(op)
+    if op.type in RANDOM_OPS:
+      randoms.append(op)
+    work.extend(i.op for i in op.inputs)
+  close(randoms)
+  _close_frames(d, in_scope, close)
+  singletons -= d
+
+  # Variables D reads or writes, through read chains of non-D ops.
+  memo = {}
+
+  def variables_behind(op):
+    if op in memo:
+      return memo[op]
+    memo[op] = frozenset()                       # cycle guard
+    if op.type in VARIABLE_OPS:
+      found = frozenset([op])
+    elif op in d or op not in in_scope or op.op_def.is_stateful:
+      found = frozenset()
+    else:
+      found = frozenset().union(*(variables_behind(i.op) for i in op.inputs)) \
+          if op.inputs else frozenset()
+    memo[op] = found
+    return found
+
+  candidates = set()
+  for op in d:
+    for i in op.inputs:
+      if i.op not in d:
+        candidates |= variables_behind(i.op)
+  written_by_singleton = {i.op for s in singletons for i in s.inputs if i.op in candidates}
+  mirrored = candidates - written_by_singleton - set(global_step_ops)
+  chains = {op for op, found in memo.items()
+            if found & mirrored and op.type not in VARIABLE_OPS}
+  cloned = (d - set(placeholders)) | chains | mirrored
+  order = sorted(cloned, key=compat.op_id)
+  return StepAnalysis(tuple(order), tuple(sorted(mirrored, key=lambda o: o.name)),
+                      tuple(sorted(singletons, key=lambda o: o.name)),
+                      tuple(s for s in order if s.type in DATA_SOURCE_OPS),
+                      tuple(placeholders), frozenset(cloned))
+
+
+def _close_frames(d, in_scope, close):
+  """Adds every op of a v1 while frame that has an op in D (frames are cloned whole)."""
+  enters = [op for op in in_scope if op.type in ("Enter", "RefEnter")]
+  if not enters:
+    return
+  frames = {}
+  for op in enters:
+    frames.setdefault(op.get_attr("frame_name"), []).append(op)
+  changed = True
+  while changed:
+    changed = False
+    for name, frame_enters in frames.items():
+      members = _frame_members(frame_enters)
+      if members & d and not members <= d:
+        close([m for m in members if m in in_scope])
+        d.update(m for m in members if m in in_scope)
+        changed = True
+
+
+def _frame_members(enters):
+  members, work = set(), [(e, 0) for e in enters]
+  while work:
+    op, depth = work.pop()
+    if op in members:
+      continue
+    members.add(op)
+    if op.type == "Exit" and depth == 0:
+      continue
+    nxt = depth - 1 if op.type == "Exit" else depth
+    for t in op.outputs:
+      for c in t.consumers():
+        work.append((c, nxt + 1 if c.type in ("Enter", "RefEnter") else nxt))
+    for c in compat.control_outputs(op):
+      work.append((c, nxt + 1 if c.type in ("Enter", "RefEnter") else nxt))
+  return members

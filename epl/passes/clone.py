@@ -1,0 +1,100 @@
+"""The clone engine: copy a set of ops under a name prefix onto other devices, and rewire.
+
+Reused by every pass that needs copies of the user's ops: model replicas (here), micro-batches
+(pipeline), recompute segments (gradient checkpointing).
+
+``clone_ops`` serialises the ops once, edits the NodeDefs (device, colocation, while-loop frame
+names, inputs from outside the set) and imports them in one ``tf.import_graph_def`` call, so the
+work is done in C++ and scales to graphs of tens of thousands of ops. Function-body ops
+(``tf.function``, control flow v2) refer to functions already in the graph's library.
+"""
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+
+_FRAME_OPS = ("Enter", "RefEnter")
+
+
+class NodeDefCache:
+  """Node defs of a graph by op name, serialised once per rewrite (one C++ call)."""
+
+  def __init__(self, graph):
+    self.graph = graph
+    self._nodes = None
+
+  def get(self, name):
+    if self._nodes is None or name not in self._nodes:
+      self._nodes = {n.name: n for n in self.graph.as_graph_def(add_shapes=False).node}
+    return self._nodes[name]
+
+
+def _split_input(name):
+  if name.startswith("^"):
+    return name[1:], None
+  op_name, _, index = name.partition(":")
+  return op_name, int(index) if index else 0
+
+
+def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
+  """Clones ``ops`` (a list of Operations of ``graph``) under ``prefix``.
+
+  Args:
+    graph: the graph that holds ``ops`` and receives the clones.
+    ops: the operations to copy. Inputs from ops inside the list are wired clone-to-clone;
+      inputs from outside read the original tensor unless ``input_map`` overrides them.
+    prefix: a name scope for the clones (made unique by TF if taken).
+    device_fn: op -> device string for its clone ("" to let the placer decide).
+    input_map: {original Tensor: replacement Tensor} for inputs from outside ``ops``.
+    node_cache: a NodeDefCache to reuse between calls on the same graph.
+
+  Returns:
+    {original op name: cloned Operation}.
+  """
+  if not ops:
+    return {}
+  input_map = input_map or {}
+  node_cache = node_cache or NodeDefCache(graph)
+  members = {op.name for op in ops}
+  by_name = {}
+  graph_def = tf.GraphDef()
+  graph_def.versions.CopyFrom(graph.graph_def_versions)
+  imports = {}
+  control_after = {}
+  for op in ops:
+    node = graph_def.node.add()
+    node.CopyFrom(node_cache.get(op.name))
+    node.device = device_fn(op) or ""
+    if "_class" in node.attr:
+      del node.attr["_class"]
+    if node.op in _FRAME_OPS:
+      frame = node.attr["frame_name"].s.decode()
+      node.attr["frame_name"].s = ("%s/%s" % (prefix, frame)).encode()
+    if node.op == "VarHandleOp" and node.attr["shared_name"].s:
+      # A resource variable's name is its identity on a device: give the copy its own.
+      node.attr["shared_name"].s = ("%s/%s" % (prefix, node.attr["shared_name"].s.decode())
+                                    ).encode()
+    inputs = list(node.input)
+    del node.input[:]
+    for name in inputs:
+      src, index = _split_input(name)
+      if src in members:
+        node.input.append(name)
+        continue
+      if index is None:                       # control input from outside: re-added below
+        control_after.setdefault(op.name, []).append(graph.get_operation_by_name(src))
+        continue
+      original = by_name.get(src) or graph.get_operation_by_name(src)
+      by_name[src] = original
+      tensor = original.outputs[index]
+      replacement = input_map.get(tensor, tensor)
+      key = "%s:%d" % (src, index)
+      imports[key] = replacement
+      node.input.append(key)
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.device(None):
+    new_ops = tf.import_graph_def(graph_def, input_map=imports,
+                                  return_elements=[op.name for op in ops], name=prefix)
+  mapping = dict(zip((op.name for op in ops), new_ops))
+  for name, controls in control_after.items():
+    compat.add_control_inputs(mapping[name], [c for c in controls])
+  return mapping

@@ -1,0 +1,145 @@
+"""Replica clone pass: one copy of the step per (model replica, shard) on this worker.
+
+Expects: a ``ParallelPlan`` with ``num_copies`` copies, the ``StepAnalysis`` and the op ->
+TaskGraph map. Adds:
+  * copy 0 = the user's own ops, placed on copy 0's devices;
+  * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices; data sources
+    (``get_next``) are cloned per replica, so N replicas read N batches per step; a fed batch
+    placeholder is split evenly over all copies; with ``shards`` k > 1 each replica's batch is
+    split k ways;
+  * singletons (the optimizer's finish group, ``global_step += 1``) wait for every copy;
+  * ``sync_op``: copies replica 0's variables to the other copies (run after init/restore).
+Returns a ``Replication`` record.
+"""
+import dataclasses
+from typing import Dict, List
+
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.passes.clone import clone_ops
+from epl.passes.op_tables import is_host_op
+
+
+@dataclasses.dataclass
+class Replication:
+  copies: List[Dict[str, tf.Operation]]   # copies[c][original op name] -> op (copy 0: itself)
+  sync_op: tf.Operation                   # None when there is a single copy
+  mirrored: Dict[str, List[tf.Operation]]  # original variable op name -> its op in every copy
+
+  def op(self, copy, original):
+    return original if copy == 0 else self.copies[copy].get(original.name)
+
+  def tensor(self, copy, original):
+    if copy == 0:
+      return original
+    op = self.copies[copy].get(original.op.name)
+    return None if op is None else op.outputs[original.value_index]
+
+
+def pinned_to_host(op):
+  """True if the user placed ``op`` on the host CPU (``/cpu:0``): epl keeps that."""
+  if not op.device:
+    return False
+  spec = tf.DeviceSpec.from_string(op.device)
+  return (spec.device_type or "").upper() == "CPU" and spec.device_index in (None, 0)
+
+
+def device_function(plan, owner, copy, pinned=frozenset()):
+  def device(op):
+    if is_host_op(op) or op in pinned:
+      return op.device
+    t = owner.get(op)
+    return plan.device_of(copy, t) if t is not None else op.device
+  return device
+
+
+def _rewire(tensor, new_tensor, consumers_in):
+  for consumer in list(tensor.consumers()):
+    if consumer in consumers_in:
+      for i, inp in enumerate(consumer.inputs):
+        if inp is tensor:
+          compat.update_input(consumer, i, new_tensor)
+
+
+def replicate(graph, plan, analysis, owner, node_cache):
+  """Runs the pass; see the module docstring."""
+  pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
+  place_copy0 = device_function(plan, owner, 0, pinned)
+  for op in analysis.cloned:
+    compat.set_device(op, place_copy0(op))
+  n, k = plan.num_copies, plan.shards
+  if n == 1:
+    return Replication([{}], None, {v.name: [v] for v in analysis.mirrored})
+
+  cloned = list(analysis.cloned)
+  members = set(cloned)
+  base_map = {}
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
+    for ph in analysis.split_placeholders:       # fed batches: one piece per copy
+      with tf.device(plan.host):
+        pieces = tf.split(ph.outputs[0], n, axis=0, name="epl_split/" + ph.name)
+      _rewire(ph.outputs[0], pieces[0], members)
+      for c in range(1, n):
+        base_map.setdefault(c, {})[pieces[0]] = pieces[c]
+    source_splits = []                            # (split op, source op) for shards > 1
+    if k > 1:
+      for src in analysis.sources:
+        for t in src.outputs:
+          with tf.device(plan.host):
+            pieces = tf.split(t, k, axis=0, name="epl_shard/%s_%d" % (src.name, t.value_index))
+          _rewire(t, pieces[0], members)
+          source_splits.append((pieces[0].op, src))
+      cloned += [s for s, _ in source_splits]
+
+  copies = [{}]
+  for c in range(1, n):
+    r, j = divmod(c, k)
+    input_map = dict(base_map.get(c, {}))
+    ops = cloned
+    if j > 0:
+      skip = {s for s, _ in source_splits} | set(analysis.sources)
+      ops = [op for op in cloned if op not in skip]
+      for split_op, _ in source_splits:
+        replica_split = split_op if r == 0 else copies[r * k][split_op.name]
+        input_map[split_op.outputs[0]] = replica_split.outputs[j]
+    copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(plan, owner, c, pinned),
+                            input_map, node_cache))
+
+  for s in analysis.singletons:                 # run once, after every copy
+    extra = [copies[c][x.name] for x in s.control_inputs if x in members
+             for c in range(1, n) if x.name in copies[c]]
+    compat.add_control_inputs(s, extra)
+
+  mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
+  sync_op = _build_sync(graph, plan, owner, mirrored)
+  return Replication(copies, sync_op, mirrored)
+
+
+def _read(var_op):
+  if var_op.type == "VarHandleOp":
+    from tensorflow.python.ops import resource_variable_ops
+    return resource_variable_ops.read_variable_op(var_op.outputs[0], var_op.get_attr("dtype"))
+  return tf.identity(var_op.outputs[0])
+
+
+def _assign(var_op, value):
+  if var_op.type == "VarHandleOp":
+    from tensorflow.python.ops import resource_variable_ops
+    return resource_variable_ops.assign_variable_op(var_op.outputs[0], value)
+  return tf.assign(var_op.outputs[0], value, validate_shape=False).op
+
+
+def _build_sync(graph, plan, owner, mirrored):
+  """One op that copies each mirrored variable of copy 0 to the other copies."""
+  assigns = []
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.name_scope("epl_sync_replicas"):
+    for name in sorted(mirrored):
+      ops = mirrored[name]
+      with tf.device(ops[0].device):
+        value = _read(ops[0])
+      for copy_op in ops[1:]:
+        with tf.device(copy_op.device):
+          assigns.append(_assign(copy_op, value))
+    return tf.group(*assigns, name="sync")

@@ -1,0 +1,138 @@
+"""Build a ``ParallelPlan`` from the user's annotations, and validate it before any rewrite.
+
+Attribution rule (which TaskGraph an op joins):
+  1. forward ops (created outside gradient and optimizer calls): ``Recorder.taskgraph_of``;
+  2. backward ops (created inside ``tf.gradients``/``compute_gradients``) and apply ops
+     (created inside ``apply_gradients``): the TaskGraph of the op they are colocated with
+     (epl forces ``colocate_gradients_with_ops=True``; optimizers colocate updates with their
+     variable); failing that, the TaskGraph of their first input that has one; failing that,
+     of their first consumer that has one; failing that, the last TaskGraph.
+"""
+import bisect
+
+from epl import _tf_compat as compat
+from epl.annotate import SPLIT
+from epl.errors import NotImplementedYetError, PlanError
+from epl.plan.plan import PHASES, ParallelPlan, TaskGraphPlan
+
+
+def _phase_of_ids(recorder):
+  """Returns a function op_id -> phase from the recorded (possibly nested) intervals."""
+  intervals = sorted(recorder.phase_intervals, key=lambda iv: (iv[0], -iv[1]))
+  if not intervals:
+    return lambda op_id: "forward"
+  starts = [iv[0] for iv in intervals]
+
+  def phase(op_id):
+    # The innermost interval containing op_id: scan back from the last start <= op_id.
+    i = bisect.bisect_right(starts, op_id) - 1
+    while i >= 0:
+      first, last, name = intervals[i]
+      if first <= op_id <= last:
+        return name
+      i -= 1
+    return "forward"
+  return phase
+
+
+def attribute_ops(graph, recorder, op_ids_upto):
+  """Returns ({op: taskgraph index}, {op: phase}) for ops with id <= op_ids_upto."""
+  ops = [op for op in graph.get_operations() if compat.op_id(op) <= op_ids_upto]
+  phase_fn = _phase_of_ids(recorder)
+  phase = {op: phase_fn(compat.op_id(op)) for op in ops}
+  owner = {}
+  for op in ops:
+    if phase[op] == "forward":
+      owner[op] = recorder.taskgraph_of(compat.op_id(op))
+  by_name = {op.name: op for op in ops}
+  pending = [op for op in ops if op not in owner]
+  for op in pending:        # ops are in creation order, so inputs are usually decided first
+    owner[op] = _from_colocation(op, by_name, owner)
+    if owner[op] is None:
+      owner[op] = next((owner.get(t.op) for t in op.inputs if owner.get(t.op) is not None),
+                       None)
+  last = len(recorder.specs) - 1
+  for op in pending:
+    if owner[op] is None:
+      owner[op] = next((owner[c] for t in op.outputs for c in t.consumers()
+                        if owner.get(c) is not None), last)
+  return owner, phase
+
+
+def _from_colocation(op, by_name, owner):
+  for group in op.colocation_groups():
+    name = group.decode()[len("loc:@"):] if isinstance(group, bytes) else group[5:]
+    target = by_name.get(name)
+    if target is not None and target is not op and owner.get(target) is not None:
+      return owner[target]
+  return None
+
+
+def build_plan(graph, recorder, config, cluster, op_ids_upto):
+  """Returns (ParallelPlan, {op: taskgraph}, {op: phase}).
+
+  Raises:
+    PlanError: the annotations do not fit the devices (message names scope and numbers).
+    NotImplementedYetError: a strategy this version does not build (split, mixed shards).
+  """
+  common = dict(num_micro_batch=config.pipeline.num_micro_batch,
+                pipeline_strategy=config.pipeline.strategy, host=cluster.host(cluster.worker_index),
+                reduce_method=config.communication.gradients_reduce_method,
+                max_splits=config.communication.max_splits,
+                sparse_as_dense=config.communication.sparse_as_dense,
+                collective_timeout=config.communication.collective_timeout,
+                worker_num=cluster.worker_num, worker_index=cluster.worker_index)
+  if not recorder.specs:
+    return ParallelPlan((), 1, 1, devices=(), **common), {}, {}
+  owner, phase = attribute_ops(graph, recorder, op_ids_upto)
+  used = sorted({t for t in owner.values() if t is not None})
+  renumber = {old: new for new, old in enumerate(used)}
+  specs = [recorder.specs[i] for i in used]
+  per_tg = {new: {p: [] for p in PHASES} for new in range(len(specs))}
+  for op, t in owner.items():
+    owner[op] = renumber[t]
+    per_tg[owner[op]][phase[op]].append(op.name)
+
+  for spec in specs:
+    if spec.kind == SPLIT:
+      raise NotImplementedYetError(
+          "epl.split at %s: tensor/MoE parallelism is not implemented yet in epl; use "
+          "epl.replicate for now" % spec.location)
+  counts = [spec.device_count or 1 for spec in specs]
+  devices_here = cluster.gpu_num_per_worker
+  for spec, k in zip(specs, counts):
+    if k > devices_here:
+      raise PlanError(
+          "%s %r asks for device_count=%d but the worker has %d device(s); lower device_count "
+          "or launch with --gpu_per_worker %d" % (spec.kind, spec.name, k, devices_here, k))
+  if len(set(counts)) > 1:
+    raise NotImplementedYetError(
+        "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
+        "every scope the same device_count" % ", ".join(
+            "%s=%d" % (s.name, k) for s, k in zip(specs, counts)))
+  if config.pipeline.num_micro_batch > 1:
+    raise NotImplementedYetError("pipeline.num_micro_batch > 1 is not implemented yet in epl")
+  shards = counts[0]
+  per_replica = sum(counts)
+  if devices_here % per_replica:
+    detail = " + ".join("%s: %d" % (s.name, k) for s, k in zip(specs, counts))
+    raise PlanError(
+        "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
+        "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
+        "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
+  num_replicas = devices_here // per_replica
+  worker_devices = cluster.devices_of(cluster.worker_index)
+  devices = []
+  for r in range(num_replicas):
+    base = r * per_replica
+    for j in range(shards):
+      copy = []
+      for t in range(len(specs)):
+        first = base + t * shards + j
+        copy.append((worker_devices[first],))
+      devices.append(tuple(copy))
+  tgs = tuple(TaskGraphPlan(i, s.name, s.kind, counts[i], s.location,
+                            {p: tuple(per_tg[i][p]) for p in PHASES})
+              for i, s in enumerate(specs))
+  plan = ParallelPlan(tgs, num_replicas, shards, devices=tuple(devices), **common)
+  return plan, owner, phase

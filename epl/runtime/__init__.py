@@ -1,0 +1,1 @@
+"""Session integration: rewrite trigger, session config, fetch mapping, replica sync."""

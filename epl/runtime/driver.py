@@ -1,0 +1,114 @@
+"""Drives the rewrite and serves the compat hooks for the graph epl manages.
+
+The rewrite happens once, just before the graph is first used: at
+``MonitoredTrainingSession`` creation (Scaffold.finalize), at ``graph.finalize()``, or at the
+first ``Session.run`` on the graph — whichever comes first. Ops created after it are not
+part of the parallel step (init, saver and summary ops may be).
+"""
+import logging
+
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.collectives import Collectives
+from epl.env import Env
+from epl.errors import PlanError
+from epl.passes.analyze import analyze
+from epl.passes.clone import NodeDefCache
+from epl.passes.grad_sync import gradient_sync
+from epl.passes.replicate import replicate
+from epl.plan.build import build_plan
+from epl.runtime.fetch import FetchMapper
+from epl.runtime.parallel_graph import ParallelGraph
+from epl.runtime.session_config import session_config
+
+log = logging.getLogger("epl")
+
+
+def parallel_graph(state):
+  """The ParallelGraph of ``state``: the rewritten one, or a plan-only preview."""
+  if state.parallel is not None:
+    return state.parallel
+  plan, owner, phase = build_plan(state.graph, state.recorder, state.config, state.cluster,
+                                  state.graph.version)
+  return ParallelGraph(plan, state.graph, owner, phase)
+
+
+def rewrite(state):
+  """Runs the pass pipeline once on ``state.graph``; returns the ParallelGraph."""
+  if state.parallel is not None:
+    return state.parallel
+  graph = state.graph
+  with compat.unfinalized(graph):
+    plan, owner, phase = build_plan(graph, state.recorder, state.config, state.cluster,
+                                    graph.version)
+    if plan.is_local:
+      state.parallel = ParallelGraph(plan, graph, rewritten=True)
+      state.fetch_mapper = None
+      return state.parallel
+    global_steps = [v.op for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP)]
+    analysis = analyze(graph, owner, global_steps)
+    _check_gradients(graph, analysis, state.recorder)
+    replication = replicate(graph, plan, analysis, owner, NodeDefCache(graph))
+    collectives = Collectives(plan.collective_timeout, on_gpu=state.cluster.has_gpu)
+    report = gradient_sync(graph, plan, replication, state.recorder.grads_and_vars, owner,
+                           phase, collectives)
+  state.parallel = ParallelGraph(plan, graph, owner, phase, analysis, replication, report,
+                                 rewritten=True)
+  state.fetch_mapper = FetchMapper(graph, state.parallel, state.collections) \
+      if plan.num_copies > 1 else None
+  log.info("epl rewrite done:\n%s", state.parallel.format())
+  return state.parallel
+
+
+_READS = frozenset({"Identity", "ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized"})
+
+
+def _check_gradients(graph, analysis, recorder):
+  """A trainable variable the step writes without a recorded gradient would diverge."""
+  with_grad = {v.op for g, v in recorder.grads_and_vars if g is not None}
+  trainable = {v.op: v for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)}
+  for var_op in analysis.mirrored:
+    if var_op in with_grad or var_op not in trainable:
+      continue
+    writers = [c for t in var_op.outputs for c in t.consumers()
+               if c in analysis.cloned_set and c.type not in _READS]
+    if writers:
+      raise PlanError(
+          "epl found no gradient for trainable variable %r, which op %r updates in the "
+          "training step: epl synchronises gradients given to an optimizer's minimize() or "
+          "apply_gradients(); use one of those for this variable" % (
+              trainable[var_op].name, writers[0].name))
+
+
+class Listener:
+  """Receives the compat hooks' events (see epl._tf_compat)."""
+
+  def manages(self, graph):
+    return Env.state_for(graph) is not None
+
+  def on_phase(self, graph, first, last, phase):
+    Env.state_for(graph).recorder.add_phase(first, last, phase)
+
+  def on_apply(self, graph, grads_and_vars):
+    Env.state_for(graph).recorder.grads_and_vars.extend(grads_and_vars)
+
+  def before_session(self, graph):
+    rewrite(Env.state_for(graph))
+
+  def session_args(self, graph, target, config):
+    state = Env.state_for(graph)
+    return target, session_config(state.cluster, state.config, config)
+
+  def run(self, session, original, fetches, feed_dict, options, run_metadata):
+    state = Env.state_for(session.graph)
+    if state.parallel is None:
+      rewrite(state)
+    mapper = state.fetch_mapper
+    if mapper is None:
+      return original(session, fetches, feed_dict, options, run_metadata)
+    mapped, writes = mapper.map(fetches)
+    result = original(session, mapped, feed_dict, options, run_metadata)
+    if writes:
+      original(session, state.parallel.replication.sync_op)
+    return result

@@ -1,0 +1,25 @@
+"""The ConfigProto epl needs in every session on its graph, merged into the user's."""
+import tensorflow.compat.v1 as tf
+
+
+def session_config(cluster, config, user_config):
+  """Returns a copy of ``user_config`` (or a new ConfigProto) with epl's settings.
+
+  * virtual CPU devices: ``device_count["CPU"] = devices + 1`` (CPU:0 stays the host), and
+    per-session threads so that ops on different virtual devices really run concurrently;
+  * ``allow_soft_placement`` so that host-only kernels (input pipeline, savers) still place;
+  * ``cluster.run_visible_devices`` -> ``gpu_options.visible_device_list``.
+  """
+  merged = tf.ConfigProto()
+  if user_config is not None:
+    merged.CopyFrom(user_config)
+  for kind, count in cluster.session_device_count().items():
+    merged.device_count[kind] = max(count, merged.device_count.get(kind, 0))
+  if cluster.virtual_devices:
+    merged.use_per_session_threads = True
+    merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
+                                              2 * cluster.gpu_num_per_worker + 2)
+  merged.allow_soft_placement = True
+  if config.cluster.run_visible_devices:
+    merged.gpu_options.visible_device_list = config.cluster.run_visible_devices
+  return merged
