@@ -19,7 +19,8 @@ from typing import FrozenSet, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, VARIABLE_OPS
+from epl.passes.op_tables import (DATA_SOURCE_OPS, RANDOM_OPS, READ_OPS, VARIABLE_OPS,
+                                  is_host_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,44 +73,35 @@ def analyze(graph, owner, global_step_ops=()):
           work.append(c)
 
   close(sources + placeholders)
-  # Stateful random ops feeding D without depending on data (dropout with a static shape).
+  # Per-copy state feeding D without depending on data: random ops (dropout with a static
+  # shape), stacks and tensor arrays of v1 while-loop gradients. Variables are handled below;
+  # iterators and queues feeding the data sources stay shared.
+  feeds_source = {i.op for s in sources for i in s.inputs}
   seen, work, randoms = set(), [i.op for op in d for i in op.inputs if i.op not in d], []
   while work:
     op = work.pop()
     if op in seen or op in d or op not in in_scope or op.type in VARIABLE_OPS:
       continue
     seen.add(op)
-    if op.type in RANDOM_OPS:
+    if (op.type in RANDOM_OPS or op.op_def.is_stateful) and op.type not in READ_OPS and \
+        op not in feeds_source and not is_host_op(op):
       randoms.append(op)
     work.extend(i.op for i in op.inputs)
   close(randoms)
   _close_frames(d, in_scope, close)
   singletons -= d
 
-  # Variables D reads or writes, through read chains of non-D ops.
-  memo = {}
-
-  def variables_behind(op):
-    if op in memo:
-      return memo[op]
-    memo[op] = frozenset()                       # cycle guard
-    if op.type in VARIABLE_OPS:
-      found = frozenset([op])
-    elif op in d or op not in in_scope or op.op_def.is_stateful:
-      found = frozenset()
-    else:
-      found = frozenset().union(*(variables_behind(i.op) for i in op.inputs)) \
-          if op.inputs else frozenset()
-    memo[op] = found
-    return found
-
-  candidates = set()
-  for op in d:
-    for i in op.inputs:
-      if i.op not in d:
-        candidates |= variables_behind(i.op)
-  written_by_singleton = {i.op for s in singletons for i in s.inputs if i.op in candidates}
-  mirrored = candidates - written_by_singleton - set(global_step_ops)
+  # Variables D reads or writes (through read chains of non-D ops); state writers D waits
+  # for (Adam's sparse ``m.assign(m * beta1)``) belong to every copy too: repeat until stable.
+  while True:
+    memo = {}
+    mirrored = _mirrored_variables(d, singletons, in_scope, memo, global_step_ops)
+    writers = _state_writers(d, mirrored, in_scope)
+    if not writers:
+      break
+    close(writers)
+    _close_frames(d, in_scope, close)
+    singletons -= d
   chains = {op for op, found in memo.items()
             if found & mirrored and op.type not in VARIABLE_OPS}
   cloned = (d - set(placeholders)) | chains | mirrored
@@ -155,3 +147,44 @@ def _frame_members(enters):
     for c in compat.control_outputs(op):
       work.append((c, nxt + 1 if c.type in ("Enter", "RefEnter") else nxt))
   return members
+
+
+def _mirrored_variables(d, singletons, in_scope, memo, global_step_ops):
+  """Variables read by D through chains of pure non-D ops, minus those singletons write."""
+  def variables_behind(op):
+    if op in memo:
+      return memo[op]
+    memo[op] = frozenset()                       # cycle guard
+    if op.type in VARIABLE_OPS:
+      found = frozenset([op])
+    elif op in d or op not in in_scope or op.op_def.is_stateful or not op.inputs:
+      found = frozenset()
+    else:
+      found = frozenset().union(*(variables_behind(i.op) for i in op.inputs))
+    memo[op] = found
+    return found
+
+  candidates = set()
+  for op in d:
+    for i in op.inputs:
+      if i.op not in d:
+        candidates |= variables_behind(i.op)
+  written_by_singleton = {i.op for s in singletons for i in s.inputs if i.op in candidates}
+  return candidates - written_by_singleton - set(global_step_ops)
+
+
+def _state_writers(d, mirrored, in_scope):
+  """Non-D ops that D depends on and that write a mirrored variable (by ref or handle)."""
+  found, seen = [], set()
+  work = [x for op in d for x in list(op.control_inputs) + [i.op for i in op.inputs]]
+  while work:
+    op = work.pop()
+    if op in seen or op in d or op not in in_scope or op.type in VARIABLE_OPS:
+      continue
+    seen.add(op)
+    if op.type not in READ_OPS and op.inputs and op.inputs[0].op in mirrored and (
+        op.op_def.is_stateful or op.inputs[0].dtype.base_dtype != op.inputs[0].dtype):
+      found.append(op)
+    work.extend(op.control_inputs)
+    work.extend(i.op for i in op.inputs)
+  return found

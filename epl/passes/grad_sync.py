@@ -107,8 +107,8 @@ def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collec
 def _copy_grad(replication, c, grad):
   if isinstance(grad, tf.IndexedSlices):
     shape = grad.dense_shape
-    if shape is not None:
-      shape = replication.tensor(c, shape) or shape
+    if shape is not None and replication.tensor(c, shape) is not None:
+      shape = replication.tensor(c, shape)
     return tf.IndexedSlices(replication.tensor(c, grad.values),
                             replication.tensor(c, grad.indices), shape)
   return replication.tensor(c, grad)

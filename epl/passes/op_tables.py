@@ -22,6 +22,10 @@ ASSIGN_OPS = frozenset({
     "AssignSubVariableOp",
 })
 
+# Ops that only read a variable (never make it diverge between copies).
+READ_OPS = frozenset({"Identity", "ReadVariableOp", "VarIsInitializedOp",
+                      "IsVariableInitialized"})
+
 # Input-pipeline ops stay on the host; the placer colocates them with their iterator.
 def is_host_op(op):
   t = op.type

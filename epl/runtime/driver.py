@@ -16,6 +16,7 @@ from epl.errors import PlanError
 from epl.passes.analyze import analyze
 from epl.passes.clone import NodeDefCache
 from epl.passes.grad_sync import gradient_sync
+from epl.passes.op_tables import READ_OPS
 from epl.passes.replicate import replicate
 from epl.plan.build import build_plan
 from epl.runtime.fetch import FetchMapper
@@ -61,9 +62,6 @@ def rewrite(state):
   return state.parallel
 
 
-_READS = frozenset({"Identity", "ReadVariableOp", "VarIsInitializedOp", "IsVariableInitialized"})
-
-
 def _check_gradients(graph, analysis, recorder):
   """A trainable variable the step writes without a recorded gradient would diverge."""
   with_grad = {v.op for g, v in recorder.grads_and_vars if g is not None}
@@ -72,7 +70,7 @@ def _check_gradients(graph, analysis, recorder):
     if var_op in with_grad or var_op not in trainable:
       continue
     writers = [c for t in var_op.outputs for c in t.consumers()
-               if c in analysis.cloned_set and c.type not in _READS]
+               if c in analysis.cloned_set and c.type not in READ_OPS]
     if writers:
       raise PlanError(
           "epl found no gradient for trainable variable %r, which op %r updates in the "
