@@ -36,7 +36,7 @@ from tensorflow.python.training import optimizer as _optimizer
 
 # ---- private accessors -----------------------------------------------------------------------
 def op_id(op):
-  """Creation order id of ``op`` in its graph (``graph.version`` is the last one given)."""
+  """Creation-order id of ``op`` in its graph (monotonic; not equal to ``graph.version``)."""
   return op._id  # pylint: disable=protected-access
 
 

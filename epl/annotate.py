@@ -133,7 +133,8 @@ def set_default_strategy(strategy):
 class Recorder:
   """Records TaskGraphs and op-id intervals of one graph while the user builds it.
 
-  Segments map op ids to TaskGraphs: segment i covers ids in (start_i, start_{i+1}].
+  Positions are ``graph.version`` values (the op count): the i-th op created has rank i.
+  Segments map ranks to TaskGraphs: segment i covers ranks in (start_i, start_{i+1}].
   Phase intervals (backward/apply) come from the compat hooks around gradient and optimizer
   calls; ``grads_and_vars`` are the pairs every ``apply_gradients`` call saw.
   """

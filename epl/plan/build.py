@@ -17,7 +17,7 @@ from epl.plan.plan import PHASES, ParallelPlan, TaskGraphPlan
 
 
 def _phase_of_ids(recorder):
-  """Returns a function op_id -> phase from the recorded (possibly nested) intervals."""
+  """Returns a function op rank -> phase from the recorded (possibly nested) intervals."""
   intervals = sorted(recorder.phase_intervals, key=lambda iv: (iv[0], -iv[1]))
   if not intervals:
     return lambda op_id: "forward"
@@ -35,15 +35,20 @@ def _phase_of_ids(recorder):
   return phase
 
 
-def attribute_ops(graph, recorder, op_ids_upto):
-  """Returns ({op: taskgraph index}, {op: phase}) for ops with id <= op_ids_upto."""
-  ops = [op for op in graph.get_operations() if compat.op_id(op) <= op_ids_upto]
+def attribute_ops(graph, recorder, upto_version):
+  """Returns ({op: taskgraph index}, {op: phase}) for the first ``upto_version`` ops.
+
+  The recorder speaks in ``graph.version`` (the op count when an event happened); the i-th
+  op created has rank i, so ranks compare with recorded versions whatever ids TF assigns.
+  """
+  ops = sorted(graph.get_operations(), key=compat.op_id)[:upto_version]
+  rank = {op: i + 1 for i, op in enumerate(ops)}
   phase_fn = _phase_of_ids(recorder)
-  phase = {op: phase_fn(compat.op_id(op)) for op in ops}
+  phase = {op: phase_fn(rank[op]) for op in ops}
   owner = {}
   for op in ops:
     if phase[op] == "forward":
-      owner[op] = recorder.taskgraph_of(compat.op_id(op))
+      owner[op] = recorder.taskgraph_of(rank[op])
   by_name = {op.name: op for op in ops}
   pending = [op for op in ops if op not in owner]
   for op in pending:        # ops are in creation order, so inputs are usually decided first
@@ -68,7 +73,7 @@ def _from_colocation(op, by_name, owner):
   return None
 
 
-def build_plan(graph, recorder, config, cluster, op_ids_upto):
+def build_plan(graph, recorder, config, cluster, upto_version):
   """Returns (ParallelPlan, {op: taskgraph}, {op: phase}).
 
   Raises:
@@ -84,7 +89,7 @@ def build_plan(graph, recorder, config, cluster, op_ids_upto):
                 worker_num=cluster.worker_num, worker_index=cluster.worker_index)
   if not recorder.specs:
     return ParallelPlan((), 1, 1, devices=(), **common), {}, {}
-  owner, phase = attribute_ops(graph, recorder, op_ids_upto)
+  owner, phase = attribute_ops(graph, recorder, upto_version)
   used = sorted({t for t in owner.values() if t is not None})
   renumber = {old: new for new, old in enumerate(used)}
   specs = [recorder.specs[i] for i in used]

@@ -1,0 +1,142 @@
+"""TaskGraph attribution rules and annotation errors (messages are asserted)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from epl.errors import AnnotationError, PlanError
+
+
+def _build(body, devices=2, **config):
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config(dict({"cluster.devices_per_worker": devices}, **config)))
+    body()
+  return g
+
+
+def _x():
+  return tf.placeholder(tf.float32, [None, 4], name="x")
+
+
+def test_attribution_rules():
+  def body():
+    x = _x()                                            # before the first scope -> TG 0
+    with epl.replicate(1, name="a"):
+      h = tf.layers.dense(x, 3, name="d0")
+    h = tf.nn.relu(h, name="after_a")                   # after scope a -> TG 0 (most recent)
+    with epl.replicate(1, name="b"):
+      y = tf.layers.dense(h, 1, name="d1")
+    loss = tf.reduce_mean(y, name="loss")               # after scope b -> TG 1
+    tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+  g = _build(body)
+  with g.as_default():
+    pg = epl.Graph.get()
+  a, b = pg.plan.taskgraphs
+  assert (a.name, b.name) == ("a", "b")
+  assert {"x", "d0/MatMul", "after_a"} <= set(a.ops["forward"])
+  assert {"d1/MatMul", "loss"} <= set(b.ops["forward"])
+  # backward ops follow their forward op's TaskGraph; apply ops their variable's
+  assert "gradients/d0/MatMul_grad/MatMul_1" in a.ops["backward"]
+  assert "gradients/d1/MatMul_grad/MatMul_1" in b.ops["backward"]
+  assert any(n.startswith("GradientDescent/update_d0/kernel") for n in a.ops["apply"])
+  assert any(n.startswith("GradientDescent/update_d1/kernel") for n in b.ops["apply"])
+  text = pg.format()
+  assert "TaskGraph 0 'a'" in text and "not rewritten yet" in text
+
+
+def test_each_set_default_strategy_call_starts_a_taskgraph():
+  def body():
+    x = _x()
+    epl.set_default_strategy(epl.replicate(1, name="s0"))
+    h = tf.layers.dense(x, 3, name="d0")
+    epl.set_default_strategy(epl.replicate(1, name="s1"))
+    tf.layers.dense(h, 1, name="d1")
+  g = _build(body)
+  with g.as_default():
+    tgs = epl.Graph.get().plan.taskgraphs
+  assert [t.name for t in tgs] == ["s0", "s1"]
+  assert "d0/MatMul" in tgs[0].ops["forward"] and "d1/MatMul" in tgs[1].ops["forward"]
+
+
+def test_nested_scopes_are_refused_with_both_locations():
+  def body():
+    with epl.replicate(1, name="outer"):
+      with epl.replicate(1, name="inner"):
+        pass
+  with pytest.raises(AnnotationError, match=r"epl scopes cannot be nested: replicate\("
+                     r"device_count=1, name='inner'\) at test_annotations.py:\d+ opened inside "
+                     r"replicate\(device_count=1, name='outer'\) at test_annotations.py:\d+"):
+    _build(body)
+
+
+def _train_model(strategies, devices):
+  def body():
+    x = _x()
+    h = x
+    for i, s in enumerate(strategies):
+      with s:
+        h = tf.layers.dense(h, 2, name="d%d" % i)
+    tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(h))
+  g = _build(body, devices)
+  with g.as_default(), tf.Session() as sess:
+    sess.run(tf.global_variables_initializer())
+
+
+def test_device_count_larger_than_the_worker():
+  with pytest.raises(PlanError, match=r"replicate 'big' asks for device_count=3 but the worker "
+                     r"has 2 device\(s\); lower device_count or launch with --gpu_per_worker 3"):
+    _train_model([epl.replicate(3, name="big")], devices=2)
+
+
+def test_devices_not_a_multiple_of_a_replica():
+  with pytest.raises(PlanError, match=r"one model replica needs 2 device\(s\) \(s0: 1 \+ s1: 1\) "
+                     r"but the worker has 3; .*--gpu_per_worker 2"):
+    _train_model([epl.replicate(1, name="s0"), epl.replicate(1, name="s1")], devices=3)
+
+
+def test_bad_device_count_and_strategy_arguments():
+  with pytest.raises(AnnotationError, match="device_count must be a positive int"):
+    epl.replicate(0)
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config())
+    with pytest.raises(AnnotationError, match="expects epl.replicate"):
+      epl.set_default_strategy("replicate")
+
+
+def test_split_is_not_implemented_yet():
+  with pytest.raises(epl.errors.NotImplementedYetError, match=r"epl.split at test_annotations"):
+    _train_model([epl.split(2, name="s")], devices=2)
+
+
+def test_missing_gradient_for_updated_trainable_variable():
+  def body():
+    x = _x()
+    with epl.replicate(1):
+      w = tf.get_variable("w", [4, 1])
+      loss = tf.reduce_mean(tf.matmul(x, w))
+      grad = tf.gradients(loss, w)[0]
+      train = tf.assign_sub(w, 0.1 * grad)               # no optimizer: epl cannot sync it
+    return train
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    train = body()
+    with tf.Session() as sess:
+      with pytest.raises(PlanError, match=r"no gradient for trainable variable 'w:0', which op "
+                         r"'AssignSub' updates"):
+        sess.run(train, {"x:0": np.ones([2, 4])})
+
+
+def test_init_under_eager_is_refused():
+  code = ("import epl, tensorflow as tf\n"
+          "try:\n  epl.init()\nexcept epl.EplError as e:\n  print('ERR', e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "",
+                            "PATH": "/usr/bin:/bin"})
+  assert "ERR epl.init() needs TensorFlow graph mode" in out.stdout, out.stderr[-2000:]
+  assert "disable_v2_behavior()" in out.stdout
