@@ -2,7 +2,8 @@
 
 Expects: a ``ParallelPlan`` with ``num_copies`` copies, the ``StepAnalysis`` and the op ->
 TaskGraph map. Adds:
-  * copy 0 = the user's own ops, placed on copy 0's devices;
+  * copy 0 = the user's own ops, placed on copy 0's devices (a lone copy of a lone TaskGraph
+    is left to TF's placer, exactly as the local script);
   * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices; data sources
     (``get_next``) are cloned per replica, so N replicas read N batches per step; a fed batch
     placeholder is split evenly over all copies; with ``shards`` k > 1 each replica's batch is
@@ -65,10 +66,13 @@ def _rewire(tensor, new_tensor, consumers_in):
 def replicate(graph, plan, analysis, owner, node_cache):
   """Runs the pass; see the module docstring."""
   pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
-  place_copy0 = device_function(plan, owner, 0, pinned)
-  for op in analysis.cloned:
-    compat.set_device(op, place_copy0(op))
   n, k = plan.num_copies, plan.shards
+  if n > 1 or len(plan.taskgraphs) > 1:
+    # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
+    # accelerator, and explicit placement would only add host <-> device edges.
+    place_copy0 = device_function(plan, owner, 0, pinned)
+    for op in analysis.cloned:
+      compat.set_device(op, place_copy0(op))
   if n == 1:
     return Replication([{}], None, {v.name: [v] for v in analysis.mirrored})
 

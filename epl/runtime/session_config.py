@@ -5,8 +5,10 @@ import tensorflow.compat.v1 as tf
 def session_config(cluster, config, user_config):
   """Returns a copy of ``user_config`` (or a new ConfigProto) with epl's settings.
 
-  * virtual CPU devices: ``device_count["CPU"] = devices + 1`` (CPU:0 stays the host), and
-    per-session threads so that ops on different virtual devices really run concurrently;
+  * virtual CPU devices: ``device_count["CPU"] = devices + 1`` (CPU:0 stays the host), and,
+    with several of them, per-session threads so that ops on different virtual devices really
+    run concurrently (TF's shared pool is sized once per process). With one device the shared
+    pool is kept: per-session pools cost ~100 us per step here (bench/overhead.py);
   * ``allow_soft_placement`` so that host-only kernels (input pipeline, savers) still place;
   * ``cluster.run_visible_devices`` -> ``gpu_options.visible_device_list``.
   """
@@ -15,7 +17,7 @@ def session_config(cluster, config, user_config):
     merged.CopyFrom(user_config)
   for kind, count in cluster.session_device_count().items():
     merged.device_count[kind] = max(count, merged.device_count.get(kind, 0))
-  if cluster.virtual_devices:
+  if cluster.virtual_devices and cluster.gpu_num_per_worker > 1:
     merged.use_per_session_threads = True
     merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
                                               2 * cluster.gpu_num_per_worker + 2)
