@@ -3,7 +3,7 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * six hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
+  * eight hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
     ======================================  ==================================================
@@ -21,6 +21,9 @@ Two kinds of things live here:
     session.BaseSession.run                  rewrite before the first step; map fetches (mean
                                              of a replicated loss); copy replica 0's variables
                                              to the other replicas after init/restore runs
+    training.saver.Saver.save                only the chief writes checkpoints, even when every
+                                             worker's script passes is_chief=True
+    summary.writer.FileWriter.add_event      only the chief writes summaries
     ======================================  ==================================================
 """
 import contextlib
@@ -31,7 +34,9 @@ from tensorflow.python.client import session as _session
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.training import monitored_session as _monitored_session
+from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
+from tensorflow.python.training import saver as _saver
 
 
 # ---- private accessors -----------------------------------------------------------------------
@@ -149,6 +154,23 @@ def install(listener):
       return original(self, fetches, feed_dict, options, run_metadata)
     return run
 
+  def saver_save_wrapper(original):
+    def save(self, sess, save_path, *args, **kwargs):
+      if _listener is not None and _listener.manages(sess.graph) and \
+          not _listener.is_chief(sess.graph):
+        return save_path                     # the chief writes the shared checkpoint
+      return original(self, sess, save_path, *args, **kwargs)
+    return save
+
+  def add_event_wrapper(original):
+    def add_event(self, event):
+      if _listener is not None and not _listener.is_chief(None):
+        return None
+      return original(self, event)
+    return add_event
+
+  _install(_saver.Saver, "save", "Saver.save", saver_save_wrapper)
+  _install(_writer.FileWriter, "add_event", "FileWriter.add_event", add_event_wrapper)
   _install(_gradients_util, "_GradientsHelper", "_GradientsHelper", gradients_wrapper)
   _install(_optimizer.Optimizer, "apply_gradients", "apply_gradients", apply_wrapper)
   _install(_monitored_session.Scaffold, "finalize", "Scaffold.finalize", scaffold_wrapper)
@@ -162,6 +184,8 @@ def uninstall():
   global _listener
   _listener = None
   targets = {
+      "Saver.save": (_saver.Saver, "save"),
+      "FileWriter.add_event": (_writer.FileWriter, "add_event"),
       "_GradientsHelper": (_gradients_util, "_GradientsHelper"),
       "apply_gradients": (_optimizer.Optimizer, "apply_gradients"),
       "Scaffold.finalize": (_monitored_session.Scaffold, "finalize"),

@@ -15,10 +15,12 @@ class GraphKeys:
   LOCAL_CONCAT_OBJECTS = "local_concat_objects"
 
 
+# key -> (how copies merge, whether the merge spans every worker)
 MERGE_KINDS = {
-    GraphKeys.GLOBAL_MEAN_OBJECTS: "mean", GraphKeys.LOCAL_MEAN_OBJECTS: "mean",
-    GraphKeys.GLOBAL_SUM_OBJECTS: "sum", GraphKeys.LOCAL_SUM_OBJECTS: "sum",
-    GraphKeys.GLOBAL_CONCAT_OBJECTS: "concat", GraphKeys.LOCAL_CONCAT_OBJECTS: "concat",
+    GraphKeys.GLOBAL_MEAN_OBJECTS: ("mean", True), GraphKeys.LOCAL_MEAN_OBJECTS: ("mean", False),
+    GraphKeys.GLOBAL_SUM_OBJECTS: ("sum", True), GraphKeys.LOCAL_SUM_OBJECTS: ("sum", False),
+    GraphKeys.GLOBAL_CONCAT_OBJECTS: ("concat", True),
+    GraphKeys.LOCAL_CONCAT_OBJECTS: ("concat", False),
 }
 
 

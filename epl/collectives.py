@@ -20,7 +20,7 @@ log = logging.getLogger("epl")
 class Collectives:
   """Builds all-reduce / all-gather / broadcast among tensors placed on known devices."""
 
-  def __init__(self, timeout, on_gpu, group_size_total=None):
+  def __init__(self, timeout, on_gpu):
     self.timeout = float(timeout)
     self.hint = "nccl" if on_gpu else "ring"
     self._groups = {}
@@ -38,36 +38,59 @@ class Collectives:
     self._next_instance += 1
     return self._next_instance
 
-  def all_reduce(self, tensors, devices, method):
-    """Returns one reduced tensor per input, each on its input's device.
+  def all_reduce(self, tensors, devices, method, group=None):
+    """Returns one reduced tensor per local input, each on its input's device.
 
     Args:
-      tensors: one tensor per participant (same shape and dtype).
-      devices: the device of each participant.
+      tensors: one tensor per participant on this worker (same shape and dtype).
+      devices: the device of each of them.
       method: "mean" or "sum".
+      group: every participant's device, all workers included (default: ``devices``); other
+        workers build their own part with the same ``group``.
     """
     assert len(tensors) == len(devices) and method in ("mean", "sum")
-    if len(tensors) == 1:
+    group = tuple(group or devices)
+    if len(group) == 1:
       return list(tensors)
-    group, instance = self.group_key(devices), self._instance()
+    key, instance = self.group_key(group), self._instance()
     out = []
     for t, d in zip(tensors, devices):
       with tf.device(d):
         out.append(collective_ops.all_reduce_v2(
-            t, group_size=len(tensors), group_key=group, instance_key=instance,
+            t, group_size=len(group), group_key=key, instance_key=instance,
             merge_op="Add", final_op="Div" if method == "mean" else "Id",
             communication_hint=self.hint, timeout=self.timeout))
     return out
 
-  def all_gather(self, tensors, devices):
+  def all_gather(self, tensors, devices, group=None):
     """Concatenates the participants' tensors along dimension 0, on every participant."""
-    if len(tensors) == 1:
+    group = tuple(group or devices)
+    if len(group) == 1:
       return list(tensors)
-    group, instance = self.group_key(devices), self._instance()
+    key, instance = self.group_key(group), self._instance()
     out = []
     for t, d in zip(tensors, devices):
       with tf.device(d):
         out.append(collective_ops.all_gather_v2(
-            t, group_size=len(tensors), group_key=group, instance_key=instance,
+            t, group_size=len(group), group_key=key, instance_key=instance,
             communication_hint=self.hint, timeout=self.timeout))
     return out
+
+  def broadcast(self, tensor, device, group, root):
+    """Returns ``group[root]``'s ``tensor`` on this member (``device``, one of ``group``).
+
+    Args:
+      tensor: the value on the root; elsewhere any tensor of the same shape and dtype.
+    """
+    group = tuple(group)
+    if len(group) == 1:
+      return tensor
+    key, instance = self.group_key(group), self._instance()
+    with tf.device(device):
+      if device == group[root]:
+        return collective_ops.broadcast_send_v2(
+            tensor, group_size=len(group), group_key=key, instance_key=instance,
+            communication_hint="auto", timeout=self.timeout)
+      return collective_ops.broadcast_recv_v2(
+          tf.shape(tensor), tensor.dtype, group_size=len(group), group_key=key,
+          instance_key=instance, communication_hint="auto", timeout=self.timeout)

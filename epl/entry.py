@@ -38,6 +38,11 @@ def init(config=None):
   cluster = Cluster.from_environment(config.cluster.devices_per_worker,
                                      os.environ.get("TF_CONFIG", ""), _visible_gpus())
   state = GraphState(tf.get_default_graph(), config, cluster)
+  if cluster.distributed:
+    from epl.runtime import server
+    state.server = server.start_server(cluster)
+    server.barrier(state.server, cluster, config.cluster.startup_timeout,
+                   instance=server.next_barrier())
   Env._reset(state)  # pylint: disable=protected-access
   from epl.runtime.driver import Listener
   compat.install(Listener())

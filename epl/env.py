@@ -19,6 +19,8 @@ class GraphState:
     self.recorder = Recorder(graph)
     self.parallel = None        # epl.runtime.parallel_graph.ParallelGraph once rewritten
     self.collections = {}       # epl.add_to_collection: key -> [tensor]
+    self.server = None          # this worker's tf.train.Server in a multi-worker job
+    self.fetch_mapper = None
 
 
 class Env:

@@ -70,9 +70,8 @@ def _buckets(items, max_splits):
 
 def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collectives):
   """Runs the pass; see the module docstring."""
-  n = plan.num_copies
   report = SyncReport([], [], [])
-  if n == 1:
+  if plan.total_copies == 1:
     return report
   readers = _apply_readers(grads_and_vars, phase)
   dense: Dict[tuple, list] = {}
@@ -95,10 +94,10 @@ def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collec
                      report)
       continue
     dense.setdefault((tg, grad.dtype.base_dtype), []).append(
-        dict(grad=grad, var=var_op, size=_static_size(grad.values if isinstance(
+        dict(grad=grad, var=var_op, tg=tg, size=_static_size(grad.values if isinstance(
             grad, tf.IndexedSlices) else grad)))
   for (tg, _), items in sorted(dense.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-    devices = [plan.device_of(c, tg) for c in range(n)]
+    devices = [plan.device_of(c, tg) for c in range(plan.num_copies)]
     for bucket in _buckets(items, plan.max_splits):
       _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectives, report)
   return report
@@ -127,7 +126,8 @@ def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectiv
         flats.append(tf.concat([tf.reshape(g, [-1]) for g in dense], axis=0)
                      if len(dense) > 1 else tf.reshape(dense[0], [-1]))
       per_copy.append((grads, dense))
-    reduced = collectives.all_reduce(flats, devices, plan.reduce_method)
+    reduced = collectives.all_reduce(flats, devices, plan.reduce_method,
+                                     group=plan.group_of(bucket[0]["tg"]))
     report.collective_ops.extend(r.op for r in reduced)
     for c in range(n):
       grads, dense = per_copy[c]
@@ -166,14 +166,14 @@ def _gather_sparse(graph, plan, replication, grad, var_op, tg, readers, collecti
       tf.name_scope("epl_grad_sync"):
     values = [replication.tensor(c, grad.values) for c in range(n)]
     indices = [replication.tensor(c, grad.indices) for c in range(n)]
-    gathered_values = collectives.all_gather(values, devices)
-    gathered_indices = collectives.all_gather(indices, devices)
+    gathered_values = collectives.all_gather(values, devices, group=plan.group_of(tg))
+    gathered_indices = collectives.all_gather(indices, devices, group=plan.group_of(tg))
     report.collective_ops.extend(t.op for t in gathered_values + gathered_indices)
     for c in range(n):
       with tf.device(devices[c]):
         new_values = gathered_values[c]
         if plan.reduce_method == "mean":
-          new_values = new_values / tf.cast(n, new_values.dtype)
+          new_values = new_values / tf.cast(plan.total_copies, new_values.dtype)
       _rewire(_copy_consumers(replication, c, grad.values, readers), values[c], new_values)
       _rewire(_copy_consumers(replication, c, grad.indices, readers), indices[c],
               gathered_indices[c])

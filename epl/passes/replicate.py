@@ -63,18 +63,21 @@ def _rewire(tensor, new_tensor, consumers_in):
           compat.update_input(consumer, i, new_tensor)
 
 
-def replicate(graph, plan, analysis, owner, node_cache):
+def replicate(graph, plan, analysis, owner, node_cache, collectives):
   """Runs the pass; see the module docstring."""
   pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
   n, k = plan.num_copies, plan.shards
-  if n > 1 or len(plan.taskgraphs) > 1:
+  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
     place_copy0 = device_function(plan, owner, 0, pinned)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))
   if n == 1:
-    return Replication([{}], None, {v.name: [v] for v in analysis.mirrored})
+    mirrored = {v.name: [v] for v in analysis.mirrored}
+    sync_op = _build_sync(graph, plan, owner, mirrored, collectives) \
+        if plan.worker_num > 1 else None
+    return Replication([{}], sync_op, mirrored)
 
   cloned = list(analysis.cloned)
   members = set(cloned)
@@ -116,7 +119,7 @@ def replicate(graph, plan, analysis, owner, node_cache):
     compat.add_control_inputs(s, extra)
 
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
-  sync_op = _build_sync(graph, plan, owner, mirrored)
+  sync_op = _build_sync(graph, plan, owner, mirrored, collectives)
   return Replication(copies, sync_op, mirrored)
 
 
@@ -134,16 +137,39 @@ def _assign(var_op, value):
   return tf.assign(var_op.outputs[0], value, validate_shape=False).op
 
 
-def _build_sync(graph, plan, owner, mirrored):
-  """One op that copies each mirrored variable of copy 0 to the other copies."""
+def _build_sync(graph, plan, owner, mirrored, collectives):
+  """One op that makes every copy's mirrored variables equal to worker 0's copy 0.
+
+  Across workers the values travel in one broadcast per (TaskGraph, dtype); inside a worker
+  copy 0's values are assigned to the other copies.
+  """
+  groups = {}
+  for name in sorted(mirrored):
+    ops = mirrored[name]
+    groups.setdefault((owner[ops[0]], ops[0].get_attr("dtype")), []).append(ops)
   assigns = []
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_sync_replicas"):
-    for name in sorted(mirrored):
-      ops = mirrored[name]
-      with tf.device(ops[0].device):
-        value = _read(ops[0])
-      for copy_op in ops[1:]:
-        with tf.device(copy_op.device):
-          assigns.append(_assign(copy_op, value))
+    for (tg, _), var_groups in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+      device = var_groups[0][0].device or plan.device_of(0, tg)
+      with tf.device(device):
+        values = [_read(ops[0]) for ops in var_groups]
+        if plan.worker_num > 1:
+          values = _broadcast_from_worker0(plan, tg, device, values, collectives)
+          assigns += [v.op for v in values]         # the root must take part too
+          if plan.worker_index != 0:
+            assigns += [_assign(ops[0], v) for ops, v in zip(var_groups, values)]
+      for ops, value in zip(var_groups, values):
+        for copy_op in ops[1:]:
+          with tf.device(copy_op.device):
+            assigns.append(_assign(copy_op, value))
     return tf.group(*assigns, name="sync")
+
+
+def _broadcast_from_worker0(plan, tg, device, values, collectives):
+  """Worker 0's values of one variable group, on every worker (one fused broadcast)."""
+  group = plan.group_of(tg)[::plan.num_copies]          # copy 0 of each worker
+  flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
+  flat = collectives.broadcast(flat, group[plan.worker_index], group, root=0)
+  sizes = [v.shape.num_elements() for v in values]
+  return [tf.reshape(p, v.shape) for p, v in zip(tf.split(flat, sizes), values)]

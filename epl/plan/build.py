@@ -86,7 +86,8 @@ def build_plan(graph, recorder, config, cluster, upto_version):
                 max_splits=config.communication.max_splits,
                 sparse_as_dense=config.communication.sparse_as_dense,
                 collective_timeout=config.communication.collective_timeout,
-                worker_num=cluster.worker_num, worker_index=cluster.worker_index)
+                worker_num=cluster.worker_num, worker_index=cluster.worker_index,
+                hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)))
   if not recorder.specs:
     return ParallelPlan((), 1, 1, devices=(), **common), {}, {}
   owner, phase = attribute_ops(graph, recorder, upto_version)
@@ -126,18 +127,22 @@ def build_plan(graph, recorder, config, cluster, upto_version):
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
   num_replicas = devices_here // per_replica
-  worker_devices = cluster.devices_of(cluster.worker_index)
-  devices = []
-  for r in range(num_replicas):
-    base = r * per_replica
-    for j in range(shards):
-      copy = []
-      for t in range(len(specs)):
-        first = base + t * shards + j
-        copy.append((worker_devices[first],))
-      devices.append(tuple(copy))
+
+  def layout(worker_devices):
+    """devices[copy][taskgraph] of one worker: replica-major, TaskGraphs side by side."""
+    devices = []
+    for r in range(num_replicas):
+      for j in range(shards):
+        devices.append(tuple((worker_devices[r * per_replica + t * shards + j],)
+                             for t in range(len(specs))))
+    return tuple(devices)
+
+  every = [layout(cluster.devices_of(w)) for w in range(cluster.worker_num)]
+  peers = tuple(tuple(every[w][c][t][0] for w in range(cluster.worker_num)
+                      for c in range(num_replicas * shards)) for t in range(len(specs)))
   tgs = tuple(TaskGraphPlan(i, s.name, s.kind, counts[i], s.location,
                             {p: tuple(per_tg[i][p]) for p in PHASES})
               for i, s in enumerate(specs))
-  plan = ParallelPlan(tgs, num_replicas, shards, devices=tuple(devices), **common)
+  plan = ParallelPlan(tgs, num_replicas, shards, devices=every[cluster.worker_index],
+                      peer_devices=peers, **common)
   return plan, owner, phase

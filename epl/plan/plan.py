@@ -51,10 +51,23 @@ class ParallelPlan:
   collective_timeout: int
   worker_num: int = 1
   worker_index: int = 0
+  peer_devices: Tuple[Tuple[str, ...], ...] = ()   # per TaskGraph: its device in every copy
+                                                    # of every worker (worker-major)
+  hosts: Tuple[str, ...] = ()                       # host device of every worker
 
   @property
   def num_copies(self):
+    """Model copies on this worker."""
     return self.num_replicas * self.shards
+
+  @property
+  def total_copies(self):
+    return self.num_copies * self.worker_num
+
+  def group_of(self, taskgraph):
+    """Every device that holds ``taskgraph`` in the job (all workers), for collectives."""
+    return self.peer_devices[taskgraph] if self.peer_devices else tuple(
+        self.device_of(c, taskgraph) for c in range(self.num_copies))
 
   @property
   def is_local(self):
@@ -75,6 +88,8 @@ class ParallelPlan:
         TaskGraphPlan(**dict(t, ops={p: tuple(n) for p, n in t["ops"].items()}))
         for t in raw["taskgraphs"])
     raw["devices"] = tuple(tuple(tuple(d) for d in copy) for copy in raw["devices"])
+    raw["peer_devices"] = tuple(tuple(d) for d in raw.get("peer_devices", ()))
+    raw["hosts"] = tuple(raw.get("hosts", ()))
     return cls(**raw)
 
   def __str__(self):

@@ -50,14 +50,14 @@ def rewrite(state):
     global_steps = [v.op for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP)]
     analysis = analyze(graph, owner, global_steps)
     _check_gradients(graph, analysis, state.recorder)
-    replication = replicate(graph, plan, analysis, owner, NodeDefCache(graph))
     collectives = Collectives(plan.collective_timeout, on_gpu=state.cluster.has_gpu)
+    replication = replicate(graph, plan, analysis, owner, NodeDefCache(graph), collectives)
     report = gradient_sync(graph, plan, replication, state.recorder.grads_and_vars, owner,
                            phase, collectives)
   state.parallel = ParallelGraph(plan, graph, owner, phase, analysis, replication, report,
                                  rewritten=True)
-  state.fetch_mapper = FetchMapper(graph, state.parallel, state.collections) \
-      if plan.num_copies > 1 else None
+  state.fetch_mapper = FetchMapper(graph, state.parallel, state.collections, collectives) \
+      if plan.total_copies > 1 else None
   log.info("epl rewrite done:\n%s", state.parallel.format())
   return state.parallel
 
@@ -85,6 +85,13 @@ class Listener:
   def manages(self, graph):
     return Env.state_for(graph) is not None
 
+  def is_chief(self, graph):
+    """Worker 0 writes checkpoints and summaries; ``graph`` None: the current epl graph."""
+    env = Env._current  # pylint: disable=protected-access
+    if env is None or (graph is not None and Env.state_for(graph) is None):
+      return True
+    return env.cluster.worker_index == 0
+
   def on_phase(self, graph, first, last, phase):
     Env.state_for(graph).recorder.add_phase(first, last, phase)
 
@@ -96,6 +103,8 @@ class Listener:
 
   def session_args(self, graph, target, config):
     state = Env.state_for(graph)
+    if state.server is not None and not target:
+      target = state.server.target          # the user's tf.Session() runs on this worker
     return target, session_config(state.cluster, state.config, config)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):

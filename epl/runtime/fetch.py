@@ -2,7 +2,8 @@
 
 * a floating-point scalar computed by the model copies (the loss, a metric): the mean over
   this worker's copies — the number the single-device run prints;
-* a tensor in ``epl.add_to_collection(t, GraphKeys.X)``: merged as X says;
+* a tensor in ``epl.add_to_collection(t, GraphKeys.X)``: merged as X says (``GLOBAL_*``
+  across every worker too: every client must fetch it in the same steps);
 * anything else: copy 0's value (the user's own op).
 
 The mapper also tells the runtime when a fetch writes a mirrored variable outside the
@@ -21,9 +22,10 @@ from epl.passes.op_tables import ASSIGN_OPS
 class FetchMapper:
   """Maps user fetches to merged tensors; caches per fetched element."""
 
-  def __init__(self, graph, parallel, collections):
+  def __init__(self, graph, parallel, collections, collectives):
     self.graph = graph
     self.parallel = parallel
+    self._collectives = collectives
     self._cache = {}
     self._writes = {}
     self._kind_of = {}
@@ -73,9 +75,10 @@ class FetchMapper:
     return fetch, False
 
   def _merged(self, t, fetch):
-    kind = self._kind_of.get(t)
+    kind, job_wide = self._kind_of.get(t, (None, False))
     if kind is None:
-      if t.op not in self._cloned or t.shape.rank != 0 or not t.dtype.is_floating:
+      if (t.op not in self._cloned or t.shape.rank != 0 or not t.dtype.is_floating or
+          self.parallel.num_copies == 1):
         return fetch
       kind = "mean"
     rep = self.parallel.replication
@@ -85,10 +88,19 @@ class FetchMapper:
     with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
         tf.control_dependencies(None), tf.device(self.parallel.plan.host), \
         tf.name_scope("epl_merged"):
+      plan = self.parallel.plan
       if kind == "concat":
-        return tf.concat(copies, axis=0)
-      total = tf.add_n(copies)
-      return total / tf.cast(len(copies), total.dtype) if kind == "mean" else total
+        merged = tf.concat(copies, axis=0)
+        if job_wide and plan.worker_num > 1:
+          merged = self._collectives.all_gather([merged], [plan.host], group=plan.hosts)[0]
+        return merged
+      merged = tf.add_n(copies)
+      if job_wide and plan.worker_num > 1:
+        merged = self._collectives.all_reduce([merged], [plan.host], "sum", group=plan.hosts)[0]
+        count = plan.total_copies
+      else:
+        count = len(copies)
+      return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
 
   def _writes_mirrored(self, op):
     """True if running ``op`` assigns a mirrored variable outside the step."""

@@ -17,11 +17,15 @@ def session_config(cluster, config, user_config):
     merged.CopyFrom(user_config)
   for kind, count in cluster.session_device_count().items():
     merged.device_count[kind] = max(count, merged.device_count.get(kind, 0))
-  if cluster.virtual_devices and cluster.gpu_num_per_worker > 1:
+  if cluster.virtual_devices and cluster.gpu_num_per_worker > 1 and not cluster.distributed:
+    # (a distributed session takes its threads from the server's config instead)
     merged.use_per_session_threads = True
     merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
                                               2 * cluster.gpu_num_per_worker + 2)
   merged.allow_soft_placement = True
   if config.cluster.run_visible_devices:
     merged.gpu_options.visible_device_list = config.cluster.run_visible_devices
+  if cluster.distributed:
+    from epl.runtime.server import session_target_config
+    session_target_config(cluster, merged)
   return merged

@@ -1,0 +1,1 @@
+"""``epl-launch``: parse -> settings -> per-worker (argv, env) -> exec."""

@@ -1,0 +1,49 @@
+"""One worker of a multi-worker parity run (started by epl-launch from the tests).
+
+usage: dp_worker.py OUT_DIR MODEL STEPS BATCH
+Reads OUT_DIR/data.npz and OUT_DIR/initial.npz, trains on this worker's shard (by
+worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final variables.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import numpy as np  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+tf.disable_v2_behavior()
+
+import epl  # noqa: E402
+from epl.testing import run_model  # noqa: E402
+from tests import models  # noqa: E402
+
+
+def shard(data, workers, index, copies, batch, steps):
+  """The samples worker ``index`` reads: its part of every step's global batch."""
+  per_worker = copies * batch
+  rows = []
+  for s in range(steps):
+    start = s * workers * per_worker + index * per_worker
+    rows.extend(range(start, start + per_worker))
+  return tuple(a[rows] for a in data)
+
+
+def main():
+  out, model, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+  raw = np.load(os.path.join(out, "data.npz"))
+  initial = dict(np.load(os.path.join(out, "initial.npz")))
+  config = epl.Config()
+  cluster = epl.cluster.Cluster.from_environment(
+      config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
+  data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
+               cluster.gpu_num_per_worker, batch, steps)
+  res = run_model(getattr(models, model), data, batch, steps, config=config,
+                  strategies=[lambda: epl.replicate(1)], initial=initial)
+  np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
+           __losses__=np.array(res.losses), **res.variables)
+  print("worker %d done: losses %s" % (cluster.worker_index, res.losses))
+
+
+if __name__ == "__main__":
+  main()
