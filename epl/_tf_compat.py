@@ -3,7 +3,7 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * eight hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
+  * nine hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
     ======================================  ==================================================
@@ -24,6 +24,11 @@ Two kinds of things live here:
     training.saver.Saver.save                only the chief writes checkpoints, even when every
                                              worker's script passes is_chief=True
     summary.writer.FileWriter.add_event      only the chief writes summaries
+    from_tensor_slices_op                    io.slicing: a constant list of file names (the
+      ._TensorSliceDataset.__init__          list behind TFRecordDataset / TextLineDataset or
+                                             given to from_tensor_slices) is cut to this
+                                             worker's share as the dataset is built, before a
+                                             one-shot iterator captures it in a function
     ======================================  ==================================================
 """
 import contextlib
@@ -31,6 +36,7 @@ import functools
 import inspect
 
 from tensorflow.python.client import session as _session
+from tensorflow.python.data.ops import from_tensor_slices_op as _slices
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.training import monitored_session as _monitored_session
@@ -169,6 +175,19 @@ def install(listener):
       return original(self, event)
     return add_event
 
+  def slices_wrapper(original):
+    def __init__(self, element, is_files=False, name=None):
+      graph = _ops.get_default_graph()
+      if _listener is not None and _listener.manages(graph):
+        files = _file_list(element)
+        if files is not None:
+          mine = _listener.slice_files(graph, files, is_files)
+          if mine is not None:
+            element = mine
+      return original(self, element, is_files=is_files, name=name)
+    return __init__
+
+  _install(_slices._TensorSliceDataset, "__init__", "TensorSliceDataset", slices_wrapper)
   _install(_saver.Saver, "save", "Saver.save", saver_save_wrapper)
   _install(_writer.FileWriter, "add_event", "FileWriter.add_event", add_event_wrapper)
   _install(_gradients_util, "_GradientsHelper", "_GradientsHelper", gradients_wrapper)
@@ -184,6 +203,7 @@ def uninstall():
   global _listener
   _listener = None
   targets = {
+      "TensorSliceDataset": (_slices._TensorSliceDataset, "__init__"),
       "Saver.save": (_saver.Saver, "save"),
       "FileWriter.add_event": (_writer.FileWriter, "add_event"),
       "_GradientsHelper": (_gradients_util, "_GradientsHelper"),
@@ -197,6 +217,27 @@ def uninstall():
     owner, attr = targets[key]
     setattr(owner, attr, original)
   _ORIGINALS.clear()
+
+
+def _file_list(element):
+  """The file names in a from_tensor_slices element, if it is one constant string vector."""
+  import numpy as np
+  from tensorflow.python.framework import tensor_util
+  if isinstance(element, (list, tuple)) and element and all(
+      isinstance(e, (str, bytes)) for e in element):
+    values = list(element)
+  elif isinstance(element, np.ndarray) and element.ndim == 1 and element.dtype.kind in "SUO":
+    values = element.tolist()
+  elif hasattr(element, "dtype") and hasattr(element, "op") and element.dtype == "string":
+    if element.op.type == "Reshape":            # readers flatten the list first
+      element = element.op.inputs[0]
+    value = tensor_util.constant_value(element)
+    if value is None or np.ndim(value) > 1:
+      return None
+    values = np.atleast_1d(value).tolist()
+  else:
+    return None
+  return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
 
 def installed():

@@ -70,9 +70,9 @@ KEYS = {k.name: k for k in [
     _k("communication.gradients_reduce_method", "str", "mean", ("mean", "sum")),
     _k("communication.collective_timeout", "int", 300, minimum=1,
        help="seconds a collective may wait for its peers before failing (no hangs)"),
-    _k("io.slicing", "bool", False, built=False),
-    _k("io.unbalanced_io_slicing", "bool", False, built=False),
-    _k("io.drop_last_files", "bool", False, built=False),
+    _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
+    _k("io.unbalanced_io_slicing", "bool", False),
+    _k("io.drop_last_files", "bool", False),
     _k("auto.auto_parallel", "bool", False, built=False),
 ]}
 

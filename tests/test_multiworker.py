@@ -1,4 +1,5 @@
 """Multi-worker runs under epl-launch (localhost processes): parity, faults, resume."""
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,124 @@ def test_multiworker_parity(tmp_path, workers, devices):
   for r in results:                                   # every worker holds the same model
     for name, value in local.variables.items():
       np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_epl_launch_runs_the_quickstart_example(tmp_path):
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                str(tmp_path / "logs"), "examples/quickstart/run.sh"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "Iteration 10 , Loss:" in out.stdout            # worker 0's output is streamed
+  assert "Iteration 10 , Loss:" in (tmp_path / "logs" / "worker_1.log").read_text()
+  assert "all workers finished" in out.stdout
+
+
+def test_io_slicing_each_worker_reads_only_its_files(tmp_path):
+  files = []
+  for f in range(5):
+    path = tmp_path / ("part_%d.txt" % f)
+    path.write_text("\n".join(str(f * 100 + i) for i in range(3)) + "\n")
+    files.append(str(path))
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                str(tmp_path / "logs"), os.path.join(ROOT, "tests", "workers", "io_worker.py"),
+                str(tmp_path)] + files)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  read = [sorted(int(v) for v in (tmp_path / ("read_%d.txt" % w)).read_text().split())
+          for w in range(2)]
+  expect = [sorted(f * 100 + i for f in fs for i in range(3)) for fs in ([0, 2, 4], [1, 3])]
+  assert read == expect
+
+
+def _pids(stdout):
+  import re
+  return {int(w): int(p) for w, p in re.findall(r"worker (\d+) started \(pid (\d+)\)", stdout)}
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:                                   # a zombie is not alive
+    with open("/proc/%d/stat" % pid) as f:
+      return f.read().split()[2] != "Z"
+  except OSError:
+    return False
+
+
+def test_killed_worker_stops_the_job(tmp_path):
+  full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2", "--gpu_per_worker", "1",
+       "--log_dir", str(tmp_path / "logs"),
+       os.path.join(ROOT, "tests", "workers", "train_worker.py"), str(tmp_path / "ck"),
+       str(tmp_path), "1000", "0.2"], env=full_env, cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  log1 = tmp_path / "logs" / "worker_1.log"
+  deadline = time.time() + 120
+  while time.time() < deadline and not (log1.exists() and "step 3" in log1.read_text()):
+    time.sleep(0.5)
+  assert log1.exists() and "step 3" in log1.read_text(), "training did not start"
+  pids = {}
+  import re
+  with open(log1) as f:
+    pass
+  # the launcher printed the pids on its stdout; read them from /proc instead of blocking
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        cmd = open("/proc/%s/cmdline" % pid).read()
+      except OSError:
+        continue
+      if "train_worker.py" in cmd and "epl.launch" not in cmd:
+        env = open("/proc/%s/environ" % pid, "rb").read().split(b"\0")
+        idx = [e for e in env if e.startswith(b"EPL_LAUNCH_WORKER_INDEX=")]
+        if idx:
+          pids[int(idx[0].split(b"=")[1])] = int(pid)
+  assert set(pids) == {0, 1}, pids
+  killed_at = time.time()
+  os.kill(pids[1], 9)
+  out, err = proc.communicate(timeout=90)
+  elapsed = time.time() - killed_at
+  assert proc.returncode != 0
+  assert elapsed < 60, elapsed
+  assert "worker 1 failed" in err, err[-2000:]
+  time.sleep(0.5)
+  assert not [p for p in pids.values() if _alive(p)]
+
+
+def test_worker_that_never_starts_is_an_error_within_60s(tmp_path):
+  from epl.launch.plan import free_ports
+  ports = free_ports(2)
+  conf = json.dumps({"cluster": {"worker": ["localhost:%d" % p for p in ports]},
+                     "task": {"type": "worker", "index": 0}})
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+             TF_CONFIG=conf, EPL_CLUSTER_DEVICES_PER_WORKER="1",
+             EPL_CLUSTER_STARTUP_TIMEOUT="15")
+  start = time.time()
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers",
+                                                     "train_worker.py"),
+                        str(tmp_path / "ck"), str(tmp_path), "5", "0"], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert time.time() - start < 60
+  assert "worker 0: not every one of the 2 workers joined within 15 s" in out.stderr, \
+      out.stderr[-3000:]
+
+
+def test_resume_continues_from_the_saved_step_on_every_worker(tmp_path):
+  args = ["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs"),
+          os.path.join(ROOT, "tests", "workers", "train_worker.py"), str(tmp_path / "ck"),
+          str(tmp_path)]
+  out = launch(args + ["4", "0"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  import tensorflow.compat.v1 as tf
+  saved = tf.train.load_checkpoint(str(tmp_path / "ck"))
+  assert saved.get_tensor("global_step") == 4
+  out = launch(args + ["6", "0"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  for w in range(2):
+    start = np.load(tmp_path / ("start_%d.npz" % w))
+    assert int(start["global_step"]) == 4
+    for name in start.files:
+      np.testing.assert_array_equal(start[name], saved.get_tensor(name), err_msg=name)
+  assert tf.train.load_checkpoint(str(tmp_path / "ck")).get_tensor("global_step") == 6

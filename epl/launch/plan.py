@@ -114,6 +114,9 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0):
   interpreter = [python] if settings.script.endswith(".py") else ["bash"]
   for index in settings.local_ranks:
     env = dict(base_env)
+    # a shell script's `python` is the launcher's interpreter (its virtualenv)
+    env["PATH"] = os.pathsep.join([os.path.dirname(python)] + (
+        [base_env["PATH"]] if base_env.get("PATH") else []))
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(settings.hosts)},
                                    "task": {"type": "worker", "index": index}})
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(settings.gpu_per_worker)

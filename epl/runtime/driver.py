@@ -16,6 +16,7 @@ from epl.errors import PlanError
 from epl.passes.analyze import analyze
 from epl.passes.clone import NodeDefCache
 from epl.passes.grad_sync import gradient_sync
+from epl.io_slicing import assign_files
 from epl.passes.op_tables import READ_OPS
 from epl.passes.replicate import replicate
 from epl.plan.build import build_plan
@@ -91,6 +92,17 @@ class Listener:
     if env is None or (graph is not None and Env.state_for(graph) is None):
       return True
     return env.cluster.worker_index == 0
+
+  def slice_files(self, graph, files, is_files):
+    """This worker's share of a file list (io.slicing), or None to leave it alone."""
+    state = Env.state_for(graph)
+    if not state.config.io.slicing or state.cluster.worker_num == 1:
+      return None
+    mine = assign_files(files, state.cluster.worker_num, state.cluster.worker_index,
+                        state.config.io.unbalanced_io_slicing, state.config.io.drop_last_files)
+    log.info("epl io.slicing: worker %d reads %d of %d file(s)", state.cluster.worker_index,
+             len(mine), len(files))
+    return mine
 
   def on_phase(self, graph, first, last, phase):
     Env.state_for(graph).recorder.add_phase(first, last, phase)

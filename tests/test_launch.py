@@ -1,0 +1,79 @@
+"""epl-launch: the pure (argv, env) step, and IO slicing assignment."""
+import json
+import os
+
+import pytest
+
+from epl.errors import PlanError
+from epl.launch.plan import parser, settings_from_args, worker_specs
+from epl.io_slicing import assign_files
+
+HERE = os.path.abspath(__file__)
+
+
+def settings(*argv):
+  return settings_from_args(parser().parse_args(list(argv)), pick_ports=lambda n: [
+      5000 + i for i in range(n)])
+
+
+def test_local_workers_get_tf_config_and_devices():
+  s = settings("--num_workers", "2", "--gpu_per_worker", "3", "--log_dir", "/tmp/l", HERE, "-x")
+  specs = worker_specs(s, {"PATH": "/bin"}, python="/venv/bin/py")
+  assert [spec.index for spec in specs] == [0, 1]
+  for spec in specs:
+    conf = json.loads(spec.env["TF_CONFIG"])
+    assert conf == {"cluster": {"worker": ["localhost:5000", "localhost:5001"]},
+                    "task": {"type": "worker", "index": spec.index}}
+    assert spec.env["EPL_CLUSTER_DEVICES_PER_WORKER"] == "3"
+    assert spec.env["PATH"] == "/venv/bin:/bin"        # `python` in run.sh is the venv's
+    assert spec.argv == ("/venv/bin/py", HERE, "-x")    # .py runs under python
+    assert spec.log_path == "/tmp/l/worker_%d.log" % spec.index
+    assert "CUDA_VISIBLE_DEVICES" not in spec.env
+
+
+def test_shell_script_runs_under_bash_and_gpus_are_sliced(tmp_path):
+  script = tmp_path / "run.sh"
+  script.write_text("true\n")
+  s = settings("--num_workers", "2", "--gpu_per_worker", "2", str(script))
+  specs = worker_specs(s, {}, gpus_on_host=4)
+  assert specs[0].argv[0] == "bash"
+  assert [spec.env["CUDA_VISIBLE_DEVICES"] for spec in specs] == ["0,1", "2,3"]
+
+
+def test_machine_rank_starts_one_worker_of_a_multi_host_job():
+  s = settings("--num_workers", "3", "--machine_list", "10.0.0.1,10.0.0.2:7000,10.0.0.3",
+               "--machine_rank", "1", HERE)
+  specs = worker_specs(s, {})
+  assert [spec.index for spec in specs] == [1]
+  conf = json.loads(specs[0].env["TF_CONFIG"])
+  assert conf["cluster"]["worker"] == ["10.0.0.1:22220", "10.0.0.2:7000", "10.0.0.3:22222"]
+  assert conf["task"]["index"] == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num_workers", "2", "--machine_list", "a", HERE], "names 1 host"),
+    (["--num_workers", "2", "--machine_list", "a:1,a:1", HERE], "repeats a host:port"),
+    (["--num_workers", "2", "--machine_rank", "0", HERE], "needs --machine_list"),
+    (["--num_workers", "2", "--machine_list", "a,b", "--machine_rank", "5", HERE],
+     "out of range"),
+    (["--num_workers", "0", HERE], "--num_workers must be >= 1"),
+    (["/no/such/script.py"], "not found"),
+])
+def test_bad_flags(argv, message):
+  with pytest.raises(SystemExit, match=message):
+    settings(*argv)
+
+
+def test_io_file_assignment():
+  files = ["f%d" % i for i in range(6)]
+  assert assign_files(files, 2, 0) == ["f0", "f2", "f4"]
+  assert assign_files(files, 2, 1) == ["f1", "f3", "f5"]
+  assert assign_files(files[:5], 2, 0, unbalanced=True) == ["f0", "f2", "f4"]
+  assert assign_files(files[:5], 2, 1, unbalanced=True) == ["f1", "f3"]
+  assert assign_files(files[:5], 2, 1, drop_last=True) == ["f1", "f3"]
+  assert assign_files(files[:5], 2, 0, drop_last=True) == ["f0", "f2"]
+  with pytest.raises(PlanError, match="5 files do not divide evenly among 2 workers; set "
+                     "io.unbalanced_io_slicing=True"):
+    assign_files(files[:5], 2, 0)
+  with pytest.raises(PlanError, match=r"1 file\(s\) cannot be shared by 2 workers"):
+    assign_files(files[:1], 2, 0)

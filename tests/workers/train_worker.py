@@ -1,0 +1,48 @@
+"""A checkpointed training run for the fault and resume tests (started by epl-launch).
+
+usage: train_worker.py CKPT_DIR OUT_DIR STEPS SLEEP
+Every worker passes is_chief=True, as EPL's examples do; epl lets only worker 0 write.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()
+
+import epl  # noqa: E402
+
+
+def main():
+  ckpt, out, steps, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+  env = epl.init()
+  index = env.cluster.worker_index
+  rng = np.random.RandomState(index)
+  data = (rng.randn(256, 8).astype(np.float32), rng.randint(0, 4, 256).astype(np.int64))
+  with epl.replicate(1):
+    x, y = tf.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(data).batch(4).repeat()).get_next()
+    logits = tf.layers.dense(tf.layers.dense(x, 8, activation=tf.nn.relu), 4)
+    loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+  step = tf.train.get_or_create_global_step()
+  train = tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+  names = sorted(v.op.name for v in tf.global_variables())
+  with tf.train.MonitoredTrainingSession(checkpoint_dir=ckpt, save_checkpoint_steps=2,
+                                         save_summaries_steps=None,
+                                         log_step_count_steps=None) as sess:
+    start = {n: sess.run(n + ":0") for n in names}
+    first = int(start["global_step"])
+    np.savez(os.path.join(out, "start_%d.npz" % index), **start)
+    print("worker %d starts at step %d" % (index, first), flush=True)
+    current = first
+    while current < steps:
+      _, current = sess.run([train, step])
+      print("worker %d step %d" % (index, current), flush=True)
+      time.sleep(pause)
+  print("worker %d done" % index, flush=True)
+
+
+if __name__ == "__main__":
+  main()
