@@ -56,7 +56,7 @@ def rewrite(state):
     report = gradient_sync(graph, plan, replication, state.recorder.grads_and_vars, owner,
                            phase, collectives)
   state.parallel = ParallelGraph(plan, graph, owner, phase, analysis, replication, report,
-                                 rewritten=True)
+                                 rewritten=True, collectives=collectives)
   state.fetch_mapper = FetchMapper(graph, state.parallel, state.collections, collectives) \
       if plan.total_copies > 1 else None
   log.info("epl rewrite done:\n%s", state.parallel.format())

@@ -18,6 +18,7 @@ class ParallelGraph:
   replication: Any = None
   sync_report: Any = None
   rewritten: bool = False
+  collectives: Any = None      # the graph's Collectives: its keys are unique within the graph
 
   @classmethod
   def get(cls):
