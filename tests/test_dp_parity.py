@@ -117,3 +117,4 @@ def test_batch_norm_and_dropout_train_under_dp():
   moving = [n for n in res.variables if "moving_mean" in n]
   assert moving and not (res.variables[moving[0]] == res.initial[moving[0]]).all()
   assert res.parallel.num_copies == 2
+  assert res.variables["global_step"] == 20          # +1 per step, not per copy

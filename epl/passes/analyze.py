@@ -4,10 +4,13 @@ Expects: the user's graph and its op -> TaskGraph attribution (epl.plan.build).
 Adds nothing to the graph; returns a ``StepAnalysis``:
 
 * ``per_copy`` (D): ops downstream of a data source (``get_next``, a batch placeholder) or of
-  a stateful random op feeding them, by data edges; pure ops reached by control edges only
-  (constants inside a ``tf.cond`` branch) join D; a stateful op or NoOp reached by control
-  edges only is a *singleton* (the optimizer's ``finish`` group, ``global_step += 1``): it
-  runs once per step and waits for every copy.
+  a stateful random op feeding them, by data edges; constants inside a ``tf.cond`` branch or
+  loop body (control edge from the branch pivot) join D; a stateful op or NoOp reached by
+  control edges only is a *singleton* (the optimizer's ``finish`` group): it runs once per
+  step and waits for every copy — unless D itself waits for it (``tf.tuple``'s group_deps),
+  then each copy gets its own. Other pure ops reached by control edges only (the optimizer's
+  ``global_step`` increment built under the user's ``control_dependencies(update_ops)``) stay
+  shared.
 * mirrored variables: variables read or written by D that no singleton writes. Each copy gets
   its own; copy 0 keeps the user's (names and checkpoints unchanged).
 * read chains: ops between a mirrored variable and D (``kernel/read``), cloned with it.
@@ -68,11 +71,12 @@ def analyze(graph, owner, global_step_ops=()):
           continue
         if c.type == "NoOp" or c.op_def.is_stateful:
           singletons.add(c)
-        else:
+        elif _is_pivot(op):            # a constant inside a cond branch / loop body
           d.add(c)
           work.append(c)
 
   close(sources + placeholders)
+  _clone_inner_singletons(d, singletons, close)
   # Per-copy state feeding D without depending on data: random ops (dropout with a static
   # shape), stacks and tensor arrays of v1 while-loop gradients. Variables are handled below;
   # iterators and queues feeding the data sources stay shared.
@@ -89,6 +93,7 @@ def analyze(graph, owner, global_step_ops=()):
     work.extend(i.op for i in op.inputs)
   close(randoms)
   _close_frames(d, in_scope, close)
+  _clone_inner_singletons(d, singletons, close)
   singletons -= d
 
   # Variables D reads or writes (through read chains of non-D ops); state writers D waits
@@ -96,7 +101,7 @@ def analyze(graph, owner, global_step_ops=()):
   while True:
     memo = {}
     mirrored = _mirrored_variables(d, singletons, in_scope, memo, global_step_ops)
-    writers = _state_writers(d, mirrored, in_scope)
+    writers = _state_writers(d | singletons, mirrored, in_scope, d)
     if not writers:
       break
     close(writers)
@@ -149,6 +154,25 @@ def _frame_members(enters):
   return members
 
 
+def _is_pivot(op):
+  """The Identity(Switch) that gates a v1 cond branch or loop body."""
+  return op.type == "Identity" and op.inputs and op.inputs[0].op.type in ("Switch", "RefSwitch")
+
+
+def _clone_inner_singletons(d, singletons, close):
+  """A control-only op that D itself waits for (``tf.tuple``'s group_deps inside the backward
+  pass) is part of each copy's step, not a singleton: sharing it would make one copy's (or
+  micro-batch's) backward wait for every other's."""
+  while True:
+    inner = [s for s in singletons if any(c in d for c in compat.control_outputs(s)) or
+             any(c in d for t in s.outputs for c in t.consumers())]
+    if not inner:
+      return
+    for s in inner:
+      singletons.discard(s)
+    close(inner)
+
+
 def _mirrored_variables(d, singletons, in_scope, memo, global_step_ops):
   """Variables read by D through chains of pure non-D ops, minus those singletons write."""
   def variables_behind(op):
@@ -173,10 +197,11 @@ def _mirrored_variables(d, singletons, in_scope, memo, global_step_ops):
   return candidates - written_by_singleton - set(global_step_ops)
 
 
-def _state_writers(d, mirrored, in_scope):
-  """Non-D ops that D depends on and that write a mirrored variable (by ref or handle)."""
+def _state_writers(step, mirrored, in_scope, d):
+  """Non-D ops that the step (D and singletons) waits for and that write a mirrored variable
+  (by ref or handle): Adam's ``beta1_power.assign(...)`` in the optimizer's finish group."""
   found, seen = [], set()
-  work = [x for op in d for x in list(op.control_inputs) + [i.op for i in op.inputs]]
+  work = [x for op in step for x in list(op.control_inputs) + [i.op for i in op.inputs]]
   while work:
     op = work.pop()
     if op in seen or op in d or op not in in_scope or op.type in VARIABLE_OPS:
