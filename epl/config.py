@@ -40,7 +40,7 @@ def _k(*args, **kwargs):
 
 
 KEYS = {k.name: k for k in [
-    _k("pipeline.num_micro_batch", "int", 1, minimum=1, built=False,
+    _k("pipeline.num_micro_batch", "int", 1, minimum=1,
        help="micro-batches per step (pipeline / gradient accumulation)"),
     _k("pipeline.num_stages", "int", -1, built=False, help="stages for auto.auto_parallel"),
     _k("pipeline.strategy", "str", "PreferBackward", ("PreferBackward", "PreferForward"),

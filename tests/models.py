@@ -73,3 +73,42 @@ def embedding(x, y, stages):
 def regression_data(n, rng=None):
   rng = rng or np.random.RandomState(0)
   return rng.randn(n, 8).astype(np.float32), rng.randint(0, 4, n).astype(np.int64)
+
+
+def mlp_four_stages(x, y, stages):
+  h = x
+  for i in range(3):
+    with stages(i):
+      h = tf.layers.dense(h, 12, activation=tf.nn.tanh, name="stage%d" % i)
+  with stages(3):
+    logits = tf.layers.dense(h, 4, name="stage3")
+    return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+
+
+def _block(h, name):
+  """A tiny transformer block: self-attention + feed-forward, each with layer norm."""
+  with tf.variable_scope(name):
+    q = tf.layers.dense(h, 4, name="q")
+    k = tf.layers.dense(h, 4, name="k")
+    v = tf.layers.dense(h, 4, name="v")
+    att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / 2.0)
+    h = _layer_norm(h + tf.layers.dense(tf.matmul(att, v), 4, name="o"), "ln1")
+    f = tf.layers.dense(tf.layers.dense(h, 8, activation=tf.nn.relu, name="f1"), 4, name="f2")
+    return _layer_norm(h + f, "ln2")
+
+
+def _layer_norm(h, name):
+  with tf.variable_scope(name):
+    mean, var = tf.nn.moments(h, axes=[-1], keep_dims=True)
+    gamma = tf.get_variable("gamma", [h.shape[-1]], initializer=tf.ones_initializer())
+    beta = tf.get_variable("beta", [h.shape[-1]], initializer=tf.zeros_initializer())
+    return (h - mean) * tf.rsqrt(var + 1e-6) * gamma + beta
+
+
+def transformer_two_stages(x, y, stages):
+  with stages(0):
+    h = _block(tf.reshape(x, [-1, 2, 4]), "block0")
+  with stages(1):
+    h = _block(h, "block1")
+    logits = tf.layers.dense(tf.reshape(h, [-1, 8]), 4)
+    return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)

@@ -6,6 +6,9 @@ returned, never reads global state. ``rewrite`` runs them in ``PIPELINE`` order 
 
   analyze        which ops one model copy owns (epl.passes.analyze)
   replicate      place copy 0, clone copies 1..n-1, wire singletons, build the replica sync
-  gradient_sync  all-reduce gradients across copies, rewire the optimizer's apply ops
+  micro_batch    clone each copy's forward + backward per micro-batch (pipeline.num_micro_batch)
+  schedule       order each stage's micro-batches (PreferBackward / PreferForward)
+  gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
+                 optimizer's apply ops
 """
-PIPELINE = ("analyze", "replicate", "gradient_sync")
+PIPELINE = ("analyze", "replicate", "micro_batch", "schedule", "gradient_sync")

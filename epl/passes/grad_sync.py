@@ -71,7 +71,7 @@ def _buckets(items, max_splits):
 def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collectives):
   """Runs the pass; see the module docstring."""
   report = SyncReport([], [], [])
-  if plan.total_copies == 1:
+  if plan.total_copies == 1 and plan.num_micro_batch == 1:
     return report
   readers = _apply_readers(grads_and_vars, phase)
   dense: Dict[tuple, list] = {}
@@ -103,14 +103,30 @@ def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collec
   return report
 
 
-def _copy_grad(replication, c, grad):
+def _copy_grad(replication, c, grad, method="mean"):
+  """Copy c's gradient: with micro-batches, accumulated over them (mean or sum)."""
+  count = replication.num_micro_batch
+  if count > 1:
+    parts = [_one_grad(replication, c, grad, m) for m in range(count)]
+    if isinstance(grad, tf.IndexedSlices):
+      values = tf.concat([p.values for p in parts], axis=0)
+      if method == "mean":
+        values = values / tf.cast(count, values.dtype)
+      return tf.IndexedSlices(values, tf.concat([p.indices for p in parts], axis=0),
+                              parts[0].dense_shape)
+    total = tf.add_n(parts)
+    return total / tf.cast(count, total.dtype) if method == "mean" else total
+  return _one_grad(replication, c, grad, 0)
+
+
+def _one_grad(replication, c, grad, m):
   if isinstance(grad, tf.IndexedSlices):
     shape = grad.dense_shape
-    if shape is not None and replication.tensor(c, shape) is not None:
-      shape = replication.tensor(c, shape)
-    return tf.IndexedSlices(replication.tensor(c, grad.values),
-                            replication.tensor(c, grad.indices), shape)
-  return replication.tensor(c, grad)
+    if shape is not None and replication.tensor(c, shape, m) is not None:
+      shape = replication.tensor(c, shape, m)
+    return tf.IndexedSlices(replication.tensor(c, grad.values, m),
+                            replication.tensor(c, grad.indices, m), shape)
+  return replication.tensor(c, grad, m)
 
 
 def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectives, report):
@@ -119,7 +135,7 @@ def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectiv
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
     for c in range(n):
-      grads = [_copy_grad(replication, c, item["grad"]) for item in bucket]
+      grads = [_copy_grad(replication, c, item["grad"], plan.reduce_method) for item in bucket]
       with tf.device(devices[c]):
         dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
@@ -138,11 +154,11 @@ def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectiv
         for g, d, piece, item in zip(grads, dense, pieces, bucket):
           new = tf.reshape(piece, tf.shape(d) if not d.shape.is_fully_defined() else d.shape)
           original = item["grad"]
+          first = _one_grad(replication, c, original, 0)    # what the apply ops read now
           if isinstance(original, tf.IndexedSlices):
-            _rewire_sparse_as_dense(replication, c, original, g, new, readers)
+            _rewire_sparse_as_dense(replication, c, original, first, new, readers)
           else:
-            old = g
-            _rewire(_copy_consumers(replication, c, original, readers), old, new)
+            _rewire(_copy_consumers(replication, c, original, readers), first, new)
   report.buckets.append([item["var"].name for item in bucket])
 
 
@@ -164,8 +180,13 @@ def _gather_sparse(graph, plan, replication, grad, var_op, tg, readers, collecti
   devices = [plan.device_of(c, tg) for c in range(n)]
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
-    values = [replication.tensor(c, grad.values) for c in range(n)]
-    indices = [replication.tensor(c, grad.indices) for c in range(n)]
+    firsts = [_one_grad(replication, c, grad, 0) for c in range(n)]
+    accumulated = []
+    for c in range(n):
+      with tf.device(devices[c]):
+        accumulated.append(_copy_grad(replication, c, grad, plan.reduce_method))
+    values = [a.values for a in accumulated]
+    indices = [a.indices for a in accumulated]
     gathered_values = collectives.all_gather(values, devices, group=plan.group_of(tg))
     gathered_indices = collectives.all_gather(indices, devices, group=plan.group_of(tg))
     report.collective_ops.extend(t.op for t in gathered_values + gathered_indices)
@@ -174,7 +195,8 @@ def _gather_sparse(graph, plan, replication, grad, var_op, tg, readers, collecti
         new_values = gathered_values[c]
         if plan.reduce_method == "mean":
           new_values = new_values / tf.cast(plan.total_copies, new_values.dtype)
-      _rewire(_copy_consumers(replication, c, grad.values, readers), values[c], new_values)
-      _rewire(_copy_consumers(replication, c, grad.indices, readers), indices[c],
+      _rewire(_copy_consumers(replication, c, grad.values, readers), firsts[c].values,
+              new_values)
+      _rewire(_copy_consumers(replication, c, grad.indices, readers), firsts[c].indices,
               gathered_indices[c])
   report.gathered.append(var_op.name)

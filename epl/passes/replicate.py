@@ -27,14 +27,19 @@ class Replication:
   copies: List[Dict[str, tf.Operation]]   # copies[c][original op name] -> op (copy 0: itself)
   sync_op: tf.Operation                   # None when there is a single copy
   mirrored: Dict[str, List[tf.Operation]]  # original variable op name -> its op in every copy
+  # (copy, micro-batch) -> {original tensor: the fed piece} for split batch placeholders
+  piece_maps: Dict[tuple, dict] = dataclasses.field(default_factory=dict)
+  # (copy, micro-batch >= 1) -> {original op name: clone} (the micro-batch pass fills it)
+  micro: Dict[tuple, Dict[str, tf.Operation]] = dataclasses.field(default_factory=dict)
+  num_micro_batch: int = 1
 
-  def op(self, copy, original):
+  def op(self, copy, original, micro_batch=0):
+    if micro_batch:
+      return self.micro[(copy, micro_batch)].get(original.name)
     return original if copy == 0 else self.copies[copy].get(original.name)
 
-  def tensor(self, copy, original):
-    if copy == 0:
-      return original
-    op = self.copies[copy].get(original.op.name)
+  def tensor(self, copy, original, micro_batch=0):
+    op = self.op(copy, original.op, micro_batch)
     return None if op is None else op.outputs[original.value_index]
 
 
@@ -66,29 +71,33 @@ def _rewire(tensor, new_tensor, consumers_in):
 def replicate(graph, plan, analysis, owner, node_cache, collectives):
   """Runs the pass; see the module docstring."""
   pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
-  n, k = plan.num_copies, plan.shards
-  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1:
+  n, k, m_count = plan.num_copies, plan.shards, plan.num_micro_batch
+  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or m_count > 1:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
     place_copy0 = device_function(plan, owner, 0, pinned)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))
-  if n == 1:
-    mirrored = {v.name: [v] for v in analysis.mirrored}
-    sync_op = _build_sync(graph, plan, owner, mirrored, collectives) \
-        if plan.worker_num > 1 else None
-    return Replication([{}], sync_op, mirrored)
-
   cloned = list(analysis.cloned)
   members = set(cloned)
   base_map = {}
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
-    for ph in analysis.split_placeholders:       # fed batches: one piece per copy
+    pieces_needed = n * m_count
+    for ph in analysis.split_placeholders if pieces_needed > 1 else ():
+      # a fed batch is this worker's whole step: one piece per (copy, micro-batch)
       with tf.device(plan.host):
-        pieces = tf.split(ph.outputs[0], n, axis=0, name="epl_split/" + ph.name)
+        pieces = tf.split(ph.outputs[0], pieces_needed, axis=0, name="epl_split/" + ph.name)
       _rewire(ph.outputs[0], pieces[0], members)
-      for c in range(1, n):
-        base_map.setdefault(c, {})[pieces[0]] = pieces[c]
+      for c in range(n):
+        for m in range(m_count):
+          if c or m:
+            base_map.setdefault((c, m), {})[pieces[0]] = pieces[c * m_count + m]
+  if n == 1:
+    mirrored = {v.name: [v] for v in analysis.mirrored}
+    sync_op = _build_sync(graph, plan, owner, mirrored, collectives) \
+        if plan.worker_num > 1 else None
+    return Replication([{}], sync_op, mirrored, base_map, num_micro_batch=m_count)
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
     source_splits = []                            # (split op, source op) for shards > 1
     if k > 1:
       for src in analysis.sources:
@@ -102,7 +111,7 @@ def replicate(graph, plan, analysis, owner, node_cache, collectives):
   copies = [{}]
   for c in range(1, n):
     r, j = divmod(c, k)
-    input_map = dict(base_map.get(c, {}))
+    input_map = dict(base_map.get((c, 0), {}))
     ops = cloned
     if j > 0:
       skip = {s for s, _ in source_splits} | set(analysis.sources)
@@ -120,7 +129,7 @@ def replicate(graph, plan, analysis, owner, node_cache, collectives):
 
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
   sync_op = _build_sync(graph, plan, owner, mirrored, collectives)
-  return Replication(copies, sync_op, mirrored)
+  return Replication(copies, sync_op, mirrored, base_map, num_micro_batch=m_count)
 
 
 def _read(var_op):

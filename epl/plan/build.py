@@ -116,8 +116,10 @@ def build_plan(graph, recorder, config, cluster, upto_version):
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
         "every scope the same device_count" % ", ".join(
             "%s=%d" % (s.name, k) for s, k in zip(specs, counts)))
-  if config.pipeline.num_micro_batch > 1:
-    raise NotImplementedYetError("pipeline.num_micro_batch > 1 is not implemented yet in epl")
+  if config.pipeline.num_micro_batch > 1 and any(k > 1 for k in counts):
+    raise NotImplementedYetError(
+        "pipeline.num_micro_batch > 1 with replicate(device_count > 1) is not implemented yet "
+        "in epl; use device_count=1 per stage")
   shards = counts[0]
   per_replica = sum(counts)
   if devices_here % per_replica:

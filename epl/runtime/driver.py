@@ -18,7 +18,9 @@ from epl.passes.clone import NodeDefCache
 from epl.passes.grad_sync import gradient_sync
 from epl.io_slicing import assign_files
 from epl.passes.op_tables import READ_OPS
+from epl.passes.micro_batch import micro_batches
 from epl.passes.replicate import replicate
+from epl.passes.schedule import apply_schedule
 from epl.plan.build import build_plan
 from epl.runtime.fetch import FetchMapper
 from epl.runtime.parallel_graph import ParallelGraph
@@ -52,13 +54,16 @@ def rewrite(state):
     analysis = analyze(graph, owner, global_steps)
     _check_gradients(graph, analysis, state.recorder)
     collectives = Collectives(plan.collective_timeout, on_gpu=state.cluster.has_gpu)
-    replication = replicate(graph, plan, analysis, owner, NodeDefCache(graph), collectives)
+    cache = NodeDefCache(graph)
+    replication = replicate(graph, plan, analysis, owner, cache, collectives)
+    micro_batches(graph, plan, analysis, owner, phase, replication, cache)
+    schedule = apply_schedule(graph, plan, analysis, owner, phase, replication)
     report = gradient_sync(graph, plan, replication, state.recorder.grads_and_vars, owner,
                            phase, collectives)
   state.parallel = ParallelGraph(plan, graph, owner, phase, analysis, replication, report,
-                                 rewritten=True, collectives=collectives)
+                                 rewritten=True, collectives=collectives, schedule=schedule)
   state.fetch_mapper = FetchMapper(graph, state.parallel, state.collections, collectives) \
-      if plan.total_copies > 1 else None
+      if plan.total_copies > 1 or plan.num_micro_batch > 1 else None
   log.info("epl rewrite done:\n%s", state.parallel.format())
   return state.parallel
 
@@ -128,6 +133,7 @@ class Listener:
       return original(session, fetches, feed_dict, options, run_metadata)
     mapped, writes = mapper.map(fetches)
     result = original(session, mapped, feed_dict, options, run_metadata)
-    if writes:
-      original(session, state.parallel.replication.sync_op)
+    sync = state.parallel.replication.sync_op
+    if writes and sync is not None:
+      original(session, sync)
     return result

@@ -78,13 +78,17 @@ class FetchMapper:
     kind, job_wide = self._kind_of.get(t, (None, False))
     if kind is None:
       if (t.op not in self._cloned or t.shape.rank != 0 or not t.dtype.is_floating or
-          self.parallel.num_copies == 1):
+          self.parallel.num_copies * self.parallel.replication.num_micro_batch == 1):
         return fetch
       kind = "mean"
     rep = self.parallel.replication
     copies = [rep.tensor(c, t) for c in range(self.parallel.num_copies)]
     if any(c is None for c in copies):
       return fetch
+    micro = [rep.tensor(c, t, m) for c in range(self.parallel.num_copies)
+             for m in range(1, rep.num_micro_batch)]
+    if micro and all(x is not None for x in micro):
+      copies += micro                          # the loss is averaged over micro-batches too
     with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
         tf.control_dependencies(None), tf.device(self.parallel.plan.host), \
         tf.name_scope("epl_merged"):

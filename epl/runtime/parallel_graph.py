@@ -19,6 +19,7 @@ class ParallelGraph:
   sync_report: Any = None
   rewritten: bool = False
   collectives: Any = None      # the graph's Collectives: its keys are unique within the graph
+  schedule: Any = None         # {(copy, stage): [(action, ops)]} when micro-batches are used
 
   @classmethod
   def get(cls):
