@@ -22,6 +22,7 @@ from epl.env import Env  # noqa: E402
 from epl.errors import EplError  # noqa: E402
 from epl.runtime.parallel_graph import ParallelGraph as Graph  # noqa: E402
 from epl.entry import init  # noqa: E402
+from epl import timeline  # noqa: E402,F401
 
 __all__ = ["init", "Config", "replicate", "split", "set_default_strategy", "Env",
            "add_to_collection", "get_collection", "GraphKeys", "Graph", "EplError"]

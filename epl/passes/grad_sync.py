@@ -114,7 +114,11 @@ def _copy_grad(replication, c, grad, method="mean"):
         values = values / tf.cast(count, values.dtype)
       return tf.IndexedSlices(values, tf.concat([p.indices for p in parts], axis=0),
                               parts[0].dense_shape)
-    total = tf.add_n(parts)
+    # a running sum: each micro-batch's gradient is freed as soon as it is added (add_n
+    # would keep all M of them alive until the last one arrives)
+    total = parts[0]
+    for part in parts[1:]:
+      total = total + part
     return total / tf.cast(count, total.dtype) if method == "mean" else total
   return _one_grad(replication, c, grad, 0)
 

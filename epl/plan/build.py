@@ -5,8 +5,9 @@ Attribution rule (which TaskGraph an op joins):
   2. backward ops (created inside ``tf.gradients``/``compute_gradients``) and apply ops
      (created inside ``apply_gradients``): the TaskGraph of the op they are colocated with
      (epl forces ``colocate_gradients_with_ops=True``; optimizers colocate updates with their
-     variable); failing that, the TaskGraph of their first input that has one; failing that,
-     of their first consumer that has one; failing that, the last TaskGraph.
+     variable); failing that, the TaskGraph of their first input (data, then control) that
+     has one; failing that, of their first consumer (data, then control) that has one;
+     failing that, the last TaskGraph.
 """
 import bisect
 
@@ -54,13 +55,13 @@ def attribute_ops(graph, recorder, upto_version):
   for op in pending:        # ops are in creation order, so inputs are usually decided first
     owner[op] = _from_colocation(op, by_name, owner)
     if owner[op] is None:
-      owner[op] = next((owner.get(t.op) for t in op.inputs if owner.get(t.op) is not None),
-                       None)
+      sources = [t.op for t in op.inputs] + list(op.control_inputs)
+      owner[op] = next((owner[x] for x in sources if owner.get(x) is not None), None)
   last = len(recorder.specs) - 1
   for op in pending:
     if owner[op] is None:
-      owner[op] = next((owner[c] for t in op.outputs for c in t.consumers()
-                        if owner.get(c) is not None), last)
+      users = [c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op)
+      owner[op] = next((owner[c] for c in users if owner.get(c) is not None), last)
   return owner, phase
 
 
