@@ -180,3 +180,24 @@ def test_resume_continues_from_the_saved_step_on_every_worker(tmp_path):
     for name in start.files:
       np.testing.assert_array_equal(start[name], saved.get_tensor(name), err_msg=name)
   assert tf.train.load_checkpoint(str(tmp_path / "ck")).get_tensor("global_step") == 6
+
+
+def test_two_stages_across_two_workers_worker1_only_serves(tmp_path):
+  steps, batch, micro = 4, 4, 4
+  rng = np.random.RandomState(2)
+  x = rng.randn(steps * micro * batch, 8).astype(np.float32)
+  y = rng.randint(0, 4, steps * micro * batch).astype(np.int64)
+  local = run_model(models.mlp_two_stages, (x, y), micro * batch, steps)
+  np.savez(tmp_path / "data.npz", x=x, y=y)
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                str(tmp_path / "logs"), os.path.join(ROOT, "tests", "workers",
+                                                     "pipeline_worker.py"),
+                str(tmp_path), str(steps), str(batch), str(micro)])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "holds no first stage" in (tmp_path / "logs" / "worker_1.log").read_text()
+  res = dict(np.load(tmp_path / "client.npz"))
+  assert any("task:1" in d for d in res["__devices__"])      # stage 1 lives on worker 1
+  np.testing.assert_allclose(res["__losses__"], local.losses, rtol=1e-5, atol=1e-5)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(res[name], value, rtol=1e-5, atol=1e-5, err_msg=name)

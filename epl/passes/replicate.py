@@ -166,7 +166,7 @@ def _build_sync(graph, plan, owner, mirrored, collectives):
         if plan.worker_num > 1:
           values = _broadcast_from_worker0(plan, tg, device, values, collectives)
           assigns += [v.op for v in values]         # the root must take part too
-          if plan.worker_index != 0:
+          if plan.client_group(tg)[1] != 0:
             assigns += [_assign(ops[0], v) for ops, v in zip(var_groups, values)]
       for ops, value in zip(var_groups, values):
         for copy_op in ops[1:]:
@@ -177,8 +177,8 @@ def _build_sync(graph, plan, owner, mirrored, collectives):
 
 def _broadcast_from_worker0(plan, tg, device, values, collectives):
   """Worker 0's values of one variable group, on every worker (one fused broadcast)."""
-  group = plan.group_of(tg)[::plan.num_copies]          # copy 0 of each worker
+  group, me = plan.client_group(tg)                    # copy 0 of each client worker
   flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
-  flat = collectives.broadcast(flat, group[plan.worker_index], group, root=0)
+  flat = collectives.broadcast(flat, group[me], group, root=0)
   sizes = [v.shape.num_elements() for v in values]
   return [tf.reshape(p, v.shape) for p, v in zip(tf.split(flat, sizes), values)]

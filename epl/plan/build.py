@@ -123,29 +123,38 @@ def build_plan(graph, recorder, config, cluster, upto_version):
         "in epl; use device_count=1 per stage")
   shards = counts[0]
   per_replica = sum(counts)
-  if devices_here % per_replica:
-    detail = " + ".join("%s: %d" % (s.name, k) for s, k in zip(specs, counts))
+  total = devices_here * cluster.worker_num
+  detail = " + ".join("%s: %d" % (s.name, k) for s, k in zip(specs, counts))
+  if per_replica <= devices_here and devices_here % per_replica:
     raise PlanError(
         "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
-  num_replicas = devices_here // per_replica
-
-  def layout(worker_devices):
-    """devices[copy][taskgraph] of one worker: replica-major, TaskGraphs side by side."""
-    devices = []
-    for r in range(num_replicas):
-      for j in range(shards):
-        devices.append(tuple((worker_devices[r * per_replica + t * shards + j],)
-                             for t in range(len(specs))))
-    return tuple(devices)
-
-  every = [layout(cluster.devices_of(w)) for w in range(cluster.worker_num)]
-  peers = tuple(tuple(every[w][c][t][0] for w in range(cluster.worker_num)
-                      for c in range(num_replicas * shards)) for t in range(len(specs)))
+  if per_replica > devices_here and (total % per_replica or shards > 1):
+    raise PlanError(
+        "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
+        "device(s) are not a multiple of it%s" % (
+            per_replica, detail, devices_here, total,
+            "" if shards == 1 else " (device_count > 1 cannot span workers)"))
+  # Replicas fill the job's devices in order (worker-major): a replica that fits in a worker
+  # stays inside it; a larger one spans consecutive workers, and the worker holding its first
+  # device is its client.
+  every_device = cluster.all_devices()
+  layout = []                                  # (client worker, devices[taskgraph]) per copy
+  for r in range(total // per_replica):
+    base = r * per_replica
+    for j in range(shards):
+      layout.append((base // devices_here, tuple(
+          (every_device[base + t * shards + j],) for t in range(len(specs)))))
+  mine = tuple(devs for client, devs in layout if client == cluster.worker_index)
+  clients = []
+  for index, (client, _) in enumerate(layout):
+    if not clients or clients[-1][0] != client:
+      clients.append((client, index))
+  peers = tuple(tuple(devs[t][0] for _, devs in layout) for t in range(len(specs)))
   tgs = tuple(TaskGraphPlan(i, s.name, s.kind, counts[i], s.location,
                             {p: tuple(per_tg[i][p]) for p in PHASES})
               for i, s in enumerate(specs))
-  plan = ParallelPlan(tgs, num_replicas, shards, devices=every[cluster.worker_index],
-                      peer_devices=peers, **common)
+  plan = ParallelPlan(tgs, len(mine) // shards, shards, devices=mine, peer_devices=peers,
+                      clients=tuple(clients), **common)
   return plan, owner, phase

@@ -54,6 +54,8 @@ class ParallelPlan:
   peer_devices: Tuple[Tuple[str, ...], ...] = ()   # per TaskGraph: its device in every copy
                                                     # of every worker (worker-major)
   hosts: Tuple[str, ...] = ()                       # host device of every worker
+  clients: Tuple[Tuple[int, int], ...] = ()         # (worker, its first copy's global index)
+                                                    # for every worker that drives copies
 
   @property
   def num_copies(self):
@@ -62,7 +64,27 @@ class ParallelPlan:
 
   @property
   def total_copies(self):
-    return self.num_copies * self.worker_num
+    """Model copies in the whole job."""
+    return len(self.peer_devices[0]) if self.peer_devices else self.num_copies
+
+  @property
+  def serve_only(self):
+    """True on a worker that holds no model replica's first stage: it only serves."""
+    return not self.is_local and self.num_copies == 0
+
+  def client_group(self, taskgraph):
+    """Copy 0 of ``taskgraph`` on every client worker (broadcast group), and my position."""
+    group = tuple(self.group_of(taskgraph)[i] for _, i in self.clients) if self.clients \
+        else (self.device_of(0, taskgraph),)
+    workers = [w for w, _ in self.clients] or [self.worker_index]
+    return group, workers.index(self.worker_index)
+
+  def remote_tasks(self):
+    """Tasks (other than this one) whose devices this worker's copies use."""
+    import re
+    tasks = {int(m) for copy in self.devices for devs in copy for d in devs
+             for m in re.findall(r"/task:(\d+)", d)}
+    return sorted(tasks - {self.worker_index})
 
   def group_of(self, taskgraph):
     """Every device that holds ``taskgraph`` in the job (all workers), for collectives."""
@@ -90,6 +112,7 @@ class ParallelPlan:
     raw["devices"] = tuple(tuple(tuple(d) for d in copy) for copy in raw["devices"])
     raw["peer_devices"] = tuple(tuple(d) for d in raw.get("peer_devices", ()))
     raw["hosts"] = tuple(raw.get("hosts", ()))
+    raw["clients"] = tuple(tuple(c) for c in raw.get("clients", ()))
     return cls(**raw)
 
   def __str__(self):

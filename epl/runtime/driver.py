@@ -6,6 +6,8 @@ first ``Session.run`` on the graph — whichever comes first. Ops created after 
 part of the parallel step (init, saver and summary ops may be).
 """
 import logging
+import socket
+import time
 
 import tensorflow.compat.v1 as tf
 
@@ -46,8 +48,8 @@ def rewrite(state):
   with compat.unfinalized(graph):
     plan, owner, phase = build_plan(graph, state.recorder, state.config, state.cluster,
                                     graph.version)
-    if plan.is_local:
-      state.parallel = ParallelGraph(plan, graph, rewritten=True)
+    if plan.is_local or plan.serve_only:
+      state.parallel = ParallelGraph(plan, graph, owner, phase, rewritten=True)
       state.fetch_mapper = None
       return state.parallel
     global_steps = [v.op for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP)]
@@ -85,6 +87,33 @@ def _check_gradients(graph, analysis, recorder):
               trainable[var_op].name, writers[0].name))
 
 
+def serve(state, poll_seconds=1.0):
+  """A worker with no model replica's first stage only serves its devices to the clients.
+
+  Its script stops here: this blocks while the job's clients are alive (their servers accept
+  connections), then ends the process with exit code 0. (A client that fails makes
+  epl-launch stop every worker.)
+  """
+  cluster = state.cluster
+  log.warning("epl: worker %d holds no first stage of a model replica: it serves its devices "
+              "to the clients until the job ends", cluster.worker_index)
+  clients = [cluster.worker_hosts[w] for w, _ in state.parallel.plan.clients] or \
+      [cluster.worker_hosts[0]]
+  while any(_accepts(address) for address in clients):
+    time.sleep(poll_seconds)
+  log.warning("epl: worker %d: the clients are gone; the job has ended", cluster.worker_index)
+  raise SystemExit(0)
+
+
+def _accepts(address):
+  host, port = address.rsplit(":", 1)
+  try:
+    with socket.create_connection((host, int(port)), timeout=2):
+      return True
+  except OSError:
+    return False
+
+
 class Listener:
   """Receives the compat hooks' events (see epl._tf_compat)."""
 
@@ -116,18 +145,26 @@ class Listener:
     Env.state_for(graph).recorder.grads_and_vars.extend(grads_and_vars)
 
   def before_session(self, graph):
-    rewrite(Env.state_for(graph))
+    state = Env.state_for(graph)
+    rewrite(state)
+    if state.parallel.plan.serve_only:
+      serve(state)
 
   def session_args(self, graph, target, config):
     state = Env.state_for(graph)
-    if state.server is not None and not target:
-      target = state.server.target          # the user's tf.Session() runs on this worker
-    return target, session_config(state.cluster, state.config, config)
+    remote = ()
+    if state.server is not None:
+      if not target:
+        target = state.server.target        # the user's tf.Session() runs on this worker
+      remote = parallel_graph(state).plan.remote_tasks()
+    return target, session_config(state.cluster, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
     state = Env.state_for(session.graph)
     if state.parallel is None:
       rewrite(state)
+      if state.parallel.plan.serve_only:
+        serve(state)
     mapper = state.fetch_mapper
     if mapper is None:
       return original(session, fetches, feed_dict, options, run_metadata)

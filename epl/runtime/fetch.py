@@ -96,15 +96,21 @@ class FetchMapper:
       if kind == "concat":
         merged = tf.concat(copies, axis=0)
         if job_wide and plan.worker_num > 1:
-          merged = self._collectives.all_gather([merged], [plan.host], group=plan.hosts)[0]
+          merged = self._collectives.all_gather([merged], [plan.host],
+                                                group=self._client_hosts())[0]
         return merged
       merged = tf.add_n(copies)
       if job_wide and plan.worker_num > 1:
-        merged = self._collectives.all_reduce([merged], [plan.host], "sum", group=plan.hosts)[0]
-        count = plan.total_copies
+        merged = self._collectives.all_reduce([merged], [plan.host], "sum",
+                                              group=self._client_hosts())[0]
+        count = plan.total_copies * (len(copies) // max(1, plan.num_copies))
       else:
         count = len(copies)
       return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
+
+  def _client_hosts(self):
+    plan = self.parallel.plan
+    return tuple(plan.hosts[w] for w, _ in plan.clients) if plan.clients else plan.hosts
 
   def _writes_mirrored(self, op):
     """True if running ``op`` assigns a mirrored variable outside the step."""

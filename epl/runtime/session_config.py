@@ -2,7 +2,7 @@
 import tensorflow.compat.v1 as tf
 
 
-def session_config(cluster, config, user_config):
+def session_config(cluster, config, user_config, remote_tasks=()):
   """Returns a copy of ``user_config`` (or a new ConfigProto) with epl's settings.
 
   * virtual CPU devices: ``device_count["CPU"] = devices + 1`` (CPU:0 stays the host), and,
@@ -28,4 +28,6 @@ def session_config(cluster, config, user_config):
   if cluster.distributed:
     from epl.runtime.server import session_target_config
     session_target_config(cluster, merged)
+    for task in remote_tasks:                # stages this worker drives on other workers
+      merged.device_filters.append("/job:worker/task:%d" % task)
   return merged
