@@ -57,18 +57,23 @@ def test_format_is_readable():
   assert "forward" in text and "backward" in text and "apply" in text
 
 
+def _build(use_epl):
+  """The MLP trained with Adam (on 2 devices under epl); returns the train op."""
+  if use_epl:
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1))
+  x, y = tf.data.make_one_shot_iterator(
+      tf.data.Dataset.from_tensor_slices(DATA).batch(4).repeat()).get_next()
+  loss = models.mlp(x, y, lambda i: _Null())
+  step = tf.train.get_or_create_global_step()
+  return tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+
+
 def _train_and_save(path, use_epl, steps=3):
   g = tf.Graph()
   with g.as_default():
     tf.set_random_seed(3)
-    if use_epl:
-      epl.init(epl.Config({"cluster.devices_per_worker": 2}))
-      epl.set_default_strategy(epl.replicate(1))
-    x, y = tf.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensor_slices(DATA).batch(4).repeat()).get_next()
-    loss = models.mlp(x, y, lambda i: _Null())
-    step = tf.train.get_or_create_global_step()
-    train = tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+    train = _build(use_epl)
     with tf.train.MonitoredTrainingSession(checkpoint_dir=path, save_checkpoint_secs=None,
                                            save_checkpoint_steps=1000, save_summaries_steps=None,
                                            log_step_count_steps=None) as sess:
@@ -90,14 +95,7 @@ def _restore(path, use_epl):
   """Builds the model and restores ``path`` with a plain Session + Saver."""
   g = tf.Graph()
   with g.as_default():
-    if use_epl:
-      epl.init(epl.Config({"cluster.devices_per_worker": 2}))
-      epl.set_default_strategy(epl.replicate(1))
-    x, y = tf.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensor_slices(DATA).batch(4).repeat()).get_next()
-    loss = models.mlp(x, y, lambda i: _Null())
-    step = tf.train.get_or_create_global_step()
-    train = tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+    train = _build(use_epl)
     saver = tf.train.Saver()
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
