@@ -140,3 +140,22 @@ def test_init_under_eager_is_refused():
                             "PATH": "/usr/bin:/bin"})
   assert "ERR epl.init() needs TensorFlow graph mode" in out.stdout, out.stderr[-2000:]
   assert "disable_v2_behavior()" in out.stdout
+
+
+def test_only_the_chief_writes_checkpoints(tmp_path):
+  """A non-chief worker's Saver.save (MonitoredTrainingSession with is_chief=True on every
+  worker, as EPL's examples do) writes nothing."""
+  from epl.cluster import Cluster
+  from epl.env import Env, GraphState
+  for index, writes in ((1, False), (0, True)):
+    g = tf.Graph()
+    with g.as_default():
+      epl.init(epl.Config())
+      state = GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False))
+      Env._reset(state)                        # pretend to be worker `index` of two
+      tf.Variable(1.0, name="v")
+      saver = tf.train.Saver()
+      with tf.Session() as sess:             # a local session: no server is needed here
+        sess.run(tf.global_variables_initializer())
+        saver.save(sess, str(tmp_path / ("w%d" % index) / "model"))
+    assert (tmp_path / ("w%d" % index)).exists() == writes

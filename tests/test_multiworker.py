@@ -201,3 +201,26 @@ def test_two_stages_across_two_workers_worker1_only_serves(tmp_path):
   np.testing.assert_allclose(res["__losses__"], local.losses, rtol=1e-5, atol=1e-5)
   for name, value in local.variables.items():
     np.testing.assert_allclose(res[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+  import socket
+  busy = socket.socket()
+  busy.bind(("localhost", 0))
+  busy.listen(1)
+  port = busy.getsockname()[1]
+  try:
+    conf = json.dumps({"cluster": {"worker": ["localhost:%d" % port, "localhost:1"]},
+                       "task": {"type": "worker", "index": 0}})
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+               TF_CONFIG=conf, EPL_CLUSTER_DEVICES_PER_WORKER="1")
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", "import epl, tensorflow.compat.v1 as tf;"
+                          "tf.disable_v2_behavior(); epl.init()"], env=env,
+                         capture_output=True, text=True, timeout=120)
+  finally:
+    busy.close()
+  assert out.returncode != 0 and time.time() - start < 60
+  assert "worker 0 could not start its server on localhost:%d" % port in out.stderr, \
+      out.stderr[-2000:]
+  assert "is the port in use?" in out.stderr
