@@ -23,6 +23,12 @@ def session_config(cluster, config, user_config, remote_tasks=()):
     merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
                                               2 * cluster.gpu_num_per_worker + 2)
   merged.allow_soft_placement = True
+  if config.pipeline.num_micro_batch > 1:
+    # Grappler's arithmetic optimizer folds the running sum of micro-batch gradients into one
+    # AddN that waits for the last micro-batch, keeping all M weight gradients alive.
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    merged.graph_options.rewrite_options.arithmetic_optimization = \
+        rewriter_config_pb2.RewriterConfig.OFF
   if config.cluster.run_visible_devices:
     merged.gpu_options.visible_device_list = config.cluster.run_visible_devices
   if cluster.distributed:
