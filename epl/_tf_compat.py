@@ -3,7 +3,7 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * nine hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
+  * ten hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
     ======================================  ==================================================
@@ -23,7 +23,8 @@ Two kinds of things live here:
                                              to the other replicas after init/restore runs
     training.saver.Saver.save                only the chief writes checkpoints, even when every
                                              worker's script passes is_chief=True
-    summary.writer.FileWriter.add_event      only the chief writes summaries
+    summary.writer.FileWriter.add_event      only the chief writes summaries (add_summary
+      and ._add_event                        and friends go through _add_event)
     from_tensor_slices_op                    io.slicing: a constant list of file names (the
       ._TensorSliceDataset.__init__          list behind TFRecordDataset / TextLineDataset or
                                              given to from_tensor_slices) is cut to this
@@ -169,10 +170,10 @@ def install(listener):
     return save
 
   def add_event_wrapper(original):
-    def add_event(self, event):
+    def add_event(self, *args, **kwargs):
       if _listener is not None and not _listener.is_chief(None):
         return None
-      return original(self, event)
+      return original(self, *args, **kwargs)
     return add_event
 
   def slices_wrapper(original):
@@ -190,6 +191,7 @@ def install(listener):
   _install(_slices._TensorSliceDataset, "__init__", "TensorSliceDataset", slices_wrapper)
   _install(_saver.Saver, "save", "Saver.save", saver_save_wrapper)
   _install(_writer.FileWriter, "add_event", "FileWriter.add_event", add_event_wrapper)
+  _install(_writer.FileWriter, "_add_event", "FileWriter._add_event", add_event_wrapper)
   _install(_gradients_util, "_GradientsHelper", "_GradientsHelper", gradients_wrapper)
   _install(_optimizer.Optimizer, "apply_gradients", "apply_gradients", apply_wrapper)
   _install(_monitored_session.Scaffold, "finalize", "Scaffold.finalize", scaffold_wrapper)
@@ -206,6 +208,7 @@ def uninstall():
       "TensorSliceDataset": (_slices._TensorSliceDataset, "__init__"),
       "Saver.save": (_saver.Saver, "save"),
       "FileWriter.add_event": (_writer.FileWriter, "add_event"),
+      "FileWriter._add_event": (_writer.FileWriter, "_add_event"),
       "_GradientsHelper": (_gradients_util, "_GradientsHelper"),
       "apply_gradients": (_optimizer.Optimizer, "apply_gradients"),
       "Scaffold.finalize": (_monitored_session.Scaffold, "finalize"),

@@ -159,3 +159,23 @@ def test_only_the_chief_writes_checkpoints(tmp_path):
         sess.run(tf.global_variables_initializer())
         saver.save(sess, str(tmp_path / ("w%d" % index) / "model"))
     assert (tmp_path / ("w%d" % index)).exists() == writes
+
+
+def test_only_the_chief_writes_summaries(tmp_path):
+  from epl.cluster import Cluster
+  from epl.env import Env, GraphState
+  counts = {}
+  for index in (1, 0):
+    g = tf.Graph()
+    with g.as_default():
+      epl.init(epl.Config())
+      Env._reset(GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False)))
+      logdir = tmp_path / ("w%d" % index)
+      writer = tf.summary.FileWriter(str(logdir))
+      summary = tf.Summary(value=[tf.Summary.Value(tag="loss", simple_value=1.0)])
+      writer.add_summary(summary, 1)
+      writer.close()
+      counts[index] = sum(1 for path in logdir.iterdir()
+                          for event in tf.train.summary_iterator(str(path))
+                          if event.HasField("summary"))
+  assert counts == {0: 1, 1: 0}
