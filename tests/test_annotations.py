@@ -179,3 +179,20 @@ def test_only_the_chief_writes_summaries(tmp_path):
                           for event in tf.train.summary_iterator(str(path))
                           if event.HasField("summary"))
   assert counts == {0: 1, 1: 0}
+
+
+def test_fed_batch_that_does_not_split_is_refused():
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    with epl.replicate(1):
+      x = tf.placeholder(tf.float32, [None, 4], name="features")
+      loss = tf.reduce_mean(tf.layers.dense(x, 1))
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train, {x: np.ones([4, 4])})
+      with pytest.raises(PlanError, match=r"the batch fed to 'features' has 3 rows, which epl "
+                         r"cannot split evenly over this worker's 2 model copies x 1 "
+                         r"micro-batch\(es\); feed a multiple of 2 rows"):
+        sess.run(train, {x: np.ones([3, 4])})

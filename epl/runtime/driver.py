@@ -114,6 +114,27 @@ def _accepts(address):
     return False
 
 
+def _check_fed_batches(parallel, feed_dict):
+  """A fed batch is split over copies and micro-batches: refuse one that does not divide."""
+  pieces = parallel.num_copies * parallel.plan.num_micro_batch
+  if pieces == 1:
+    return
+  split = {ph.outputs[0] for ph in parallel.analysis.split_placeholders}
+  for key, value in feed_dict.items():
+    tensor = key if isinstance(key, tf.Tensor) else None
+    if tensor is None and isinstance(key, str):
+      try:
+        tensor = parallel.graph.as_graph_element(key)
+      except (KeyError, ValueError):
+        continue
+    if tensor in split and hasattr(value, "__len__") and len(value) % pieces:
+      raise PlanError(
+          "the batch fed to %r has %d rows, which epl cannot split evenly over this worker's "
+          "%d model copies x %d micro-batch(es); feed a multiple of %d rows" % (
+              tensor.op.name, len(value), parallel.num_copies,
+              parallel.plan.num_micro_batch, pieces))
+
+
 class Listener:
   """Receives the compat hooks' events (see epl._tf_compat)."""
 
@@ -168,6 +189,8 @@ class Listener:
     mapper = state.fetch_mapper
     if mapper is None:
       return original(session, fetches, feed_dict, options, run_metadata)
+    if feed_dict:
+      _check_fed_batches(state.parallel, feed_dict)
     mapped, writes = mapper.map(fetches)
     result = original(session, mapped, feed_dict, options, run_metadata)
     sync = state.parallel.replication.sync_op
