@@ -1,32 +1,80 @@
 """Collective communication behind one narrow API.
 
 Passes never build collective ops themselves. A ``Collectives`` object is made once per
-rewrite; it picks the implementation (NCCL on GPU, ring on CPU), logs the choice once, and
-hands out group/instance keys deterministically so that every worker building the same plan
-gets the same keys. Every op carries a timeout: a dead peer becomes an error, not a hang.
+rewrite; it picks the implementation, logs the choice once, and hands out group/instance keys
+deterministically so that every worker building the same plan gets the same keys.
+
+How a group is reduced (``group`` lists every participant of the job, worker-major; a worker
+builds its own participants' part):
+
+* inside one worker, in-graph: on CPU devices the tensors are summed on the first device and
+  the others read the sum (in-process transfers share buffers); on GPUs each device sums one
+  chunk of every tensor and then every device concatenates the chunks (balanced links).
+  No TF collective runs inside a worker: a ``DirectSession`` keeps one collective executor per
+  step id and never frees it (~700 bytes per step, measured; TF's MasterSession cleans up
+  after each step), and the in-graph sum is also faster here (4 MiB on 2 virtual devices:
+  0.7 ms vs 1.8 ms, docs/benchmarks.md);
+* across workers, hierarchically: the worker's participants are reduced in-graph first, one
+  TF collective (ring on CPU, NCCL on GPU) runs among one device per worker (one per chunk on
+  GPUs), then every local participant reads the result. Cross-worker sessions run on
+  ``tf.train.Server`` targets, whose master cleans the collective state of every step.
+
+No op carries TF's per-op ``timeout``: TF implements it with one detached thread per launch that
+sleeps for the whole timeout (``Env::SchedClosureAfter``), so 1,000 steps/s with a 300 s timeout
+hold 300,000 threads. The promise the timeout kept -- a dead or stalled peer becomes an error,
+not a hang -- is kept per step instead: the runtime puts ``communication.collective_timeout``
+on every step as ``RunOptions.timeout_in_ms`` (no thread), and a peer that dies fails the
+collective at once (connection reset).
 
 Example:
-  >>> coll = Collectives(timeout=60, on_gpu=False)
+  >>> coll = Collectives(on_gpu=False)
   >>> reduced = coll.all_reduce([t0, t1], ["/device:CPU:1", "/device:CPU:2"], "mean")
 """
 import logging
+import re
 
 import tensorflow.compat.v1 as tf
 from tensorflow.python.ops import collective_ops
 
 log = logging.getLogger("epl")
 
+_TASK = re.compile(r"/task:(\d+)")
+
+
+def worker_of(device):
+  """The task index in a device name (0 for a local name without a job)."""
+  found = _TASK.search(device)
+  return int(found.group(1)) if found else 0
+
+
+def _by_worker(group):
+  """[(worker, its devices in group order)], workers in group order."""
+  out = []
+  for d in group:
+    w = worker_of(d)
+    if not out or out[-1][0] != w:
+      out.append((w, []))
+    out[-1][1].append(d)
+  return out
+
 
 class Collectives:
-  """Builds all-reduce / all-gather / broadcast among tensors placed on known devices."""
+  """Builds all-reduce / all-gather / broadcast among tensors placed on known devices.
 
-  def __init__(self, timeout, on_gpu):
-    self.timeout = float(timeout)
+  Args:
+    on_gpu: the accelerators are GPUs (NCCL across workers, chunked in-worker reduction).
+    chunked: force the in-worker reduction (None: chunked on GPU, one device on CPU).
+  """
+
+  def __init__(self, on_gpu, chunked=None):
     self.hint = "nccl" if on_gpu else "ring"
+    self.chunked = on_gpu if chunked is None else chunked
     self._groups = {}
     self._next_instance = 1
-    log.info("epl collectives: %s (timeout %.0f s)", self.hint, self.timeout)
+    log.debug("epl collectives: in-worker %s sums, %s collectives across workers",
+              "chunked" if self.chunked else "one-device", self.hint)
 
+  # ---- keys ----------------------------------------------------------------------------
   def group_key(self, devices):
     """One key per distinct ordered device set (the same on every worker)."""
     key = tuple(devices)
@@ -38,6 +86,7 @@ class Collectives:
     self._next_instance += 1
     return self._next_instance
 
+  # ---- all-reduce ----------------------------------------------------------------------
   def all_reduce(self, tensors, devices, method, group=None):
     """Returns one reduced tensor per local input, each on its input's device.
 
@@ -52,32 +101,92 @@ class Collectives:
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    key, instance = self.group_key(group), self._instance()
-    out = []
+    workers = _by_worker(group)
+    uniform = len({len(ds) for _, ds in workers}) == 1
+    sizes = self._chunk_sizes(tensors[0], len(devices)) if self.chunked and uniform else None
+    with tf.name_scope("epl_all_reduce"):
+      if sizes is None:
+        parts, part_devices = [self._sum(tensors, devices[0])], [devices[0]]
+        cross_groups = [tuple(ds[0] for _, ds in workers)]
+      else:
+        parts, part_devices = self._chunk_sums(tensors, devices, sizes), list(devices)
+        cross_groups = [tuple(ds[j] for _, ds in workers) for j in range(len(devices))]
+      if len(workers) > 1:
+        parts = [self._collective_sum(p, d, g) for p, d, g in zip(parts, part_devices,
+                                                                  cross_groups)]
+      if method == "mean":
+        parts = [self._scaled(p, d, 1.0 / len(group)) for p, d in zip(parts, part_devices)]
+      out = []
+      for t, d in zip(tensors, devices):
+        with tf.device(d):
+          out.append(tf.identity(parts[0]) if len(parts) == 1 else tf.concat(parts, axis=0))
+      return out
+
+  @staticmethod
+  def _chunk_sizes(tensor, n):
+    """Sizes of n chunks of a flat tensor, or None when its size is not static."""
+    size = tensor.shape.num_elements() if tensor.shape.is_fully_defined() else None
+    if n < 2 or tensor.shape.rank != 1 or size is None or size < n:
+      return None
+    return [size // n + (1 if j < size % n else 0) for j in range(n)]
+
+  @staticmethod
+  def _sum(tensors, device):
+    with tf.device(device):
+      return tensors[0] if len(tensors) == 1 else tf.add_n(list(tensors))
+
+  @staticmethod
+  def _chunk_sums(tensors, devices, sizes):
+    pieces = []
     for t, d in zip(tensors, devices):
       with tf.device(d):
-        out.append(collective_ops.all_reduce_v2(
-            t, group_size=len(group), group_key=key, instance_key=instance,
-            merge_op="Add", final_op="Div" if method == "mean" else "Id",
-            communication_hint=self.hint, timeout=self.timeout))
-    return out
+        pieces.append(tf.split(t, sizes))
+    sums = []
+    for j, d in enumerate(devices):
+      with tf.device(d):
+        sums.append(tf.add_n([p[j] for p in pieces]))
+    return sums
 
+  @staticmethod
+  def _scaled(t, device, factor):
+    with tf.device(device):
+      return t * tf.cast(factor, t.dtype)
+
+  def _collective_sum(self, tensor, device, group):
+    key, instance = self.group_key(group), self._instance()
+    with tf.device(device):
+      return collective_ops.all_reduce_v2(
+          tensor, group_size=len(group), group_key=key, instance_key=instance,
+          merge_op="Add", final_op="Id", communication_hint=self.hint)
+
+  # ---- all-gather ----------------------------------------------------------------------
   def all_gather(self, tensors, devices, group=None):
-    """Concatenates the participants' tensors along dimension 0, on every participant."""
+    """Concatenates the participants' tensors along dimension 0 (group order), on every
+    local participant."""
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    key, instance = self.group_key(group), self._instance()
-    out = []
-    for t, d in zip(tensors, devices):
-      with tf.device(d):
-        out.append(collective_ops.all_gather_v2(
-            t, group_size=len(group), group_key=key, instance_key=instance,
-            communication_hint=self.hint, timeout=self.timeout))
-    return out
+    workers = _by_worker(group)
+    with tf.name_scope("epl_all_gather"):
+      with tf.device(devices[0]):
+        gathered = tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)
+        if len(workers) > 1:
+          leaders = tuple(ds[0] for _, ds in workers)
+          gathered = collective_ops.all_gather_v2(
+              gathered, group_size=len(leaders), group_key=self.group_key(leaders),
+              instance_key=self._instance(), communication_hint=self.hint)
+      out = []
+      for d in devices:
+        with tf.device(d):
+          out.append(tf.identity(gathered))
+      return out
 
+  # ---- broadcast -----------------------------------------------------------------------
   def broadcast(self, tensor, device, group, root):
     """Returns ``group[root]``'s ``tensor`` on this member (``device``, one of ``group``).
+
+    Every member must be on a different worker (a worker's own devices share values by
+    plain reads).
 
     Args:
       tensor: the value on the root; elsewhere any tensor of the same shape and dtype.
@@ -85,12 +194,13 @@ class Collectives:
     group = tuple(group)
     if len(group) == 1:
       return tensor
+    assert len({worker_of(d) for d in group}) == len(group), group
     key, instance = self.group_key(group), self._instance()
     with tf.device(device):
       if device == group[root]:
         return collective_ops.broadcast_send_v2(
             tensor, group_size=len(group), group_key=key, instance_key=instance,
-            communication_hint="auto", timeout=self.timeout)
+            communication_hint="auto")
       return collective_ops.broadcast_recv_v2(
           tf.shape(tensor), tensor.dtype, group_size=len(group), group_key=key,
-          instance_key=instance, communication_hint="auto", timeout=self.timeout)
+          instance_key=instance, communication_hint="auto")

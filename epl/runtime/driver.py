@@ -55,7 +55,7 @@ def rewrite(state):
     global_steps = [v.op for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP)]
     analysis = analyze(graph, owner, global_steps)
     _check_gradients(graph, analysis, state.recorder)
-    collectives = Collectives(plan.collective_timeout, on_gpu=state.cluster.has_gpu)
+    collectives = Collectives(on_gpu=state.cluster.has_gpu)
     cache = NodeDefCache(graph)
     replication = replicate(graph, plan, analysis, owner, cache, collectives)
     micro_batches(graph, plan, analysis, owner, phase, replication, cache)
@@ -186,6 +186,9 @@ class Listener:
       rewrite(state)
       if state.parallel.plan.serve_only:
         serve(state)
+    plan = state.parallel.plan
+    if plan.total_copies > 1 or plan.worker_num > 1:
+      options = step_deadline(options, plan.collective_timeout)
     mapper = state.fetch_mapper
     if mapper is None:
       return original(session, fetches, feed_dict, options, run_metadata)
@@ -195,5 +198,22 @@ class Listener:
     result = original(session, mapped, feed_dict, options, run_metadata)
     sync = state.parallel.replication.sync_op
     if writes and sync is not None:
-      original(session, sync)
+      original(session, sync, options=options)
     return result
+
+
+def step_deadline(options, seconds):
+  """``options`` (a RunOptions or None) with ``timeout_in_ms`` at most ``seconds``.
+
+  The deadline is what turns a dead or stalled peer into an error: the collectives carry no
+  per-op timeout (TF would spend a thread per launch on it, see epl.collectives). A smaller
+  timeout the user asked for is kept.
+  """
+  limit = int(seconds * 1000)
+  if options is not None and 0 < options.timeout_in_ms <= limit:
+    return options
+  merged = tf.RunOptions()
+  if options is not None:
+    merged.CopyFrom(options)
+  merged.timeout_in_ms = limit
+  return merged

@@ -81,12 +81,13 @@ def barrier(server, cluster, timeout, instance=1):
     with tf.device("/job:%s/replica:0/task:%d/device:CPU:0" % (JOB, cluster.worker_index)):
       ping = collective_ops.all_reduce_v2(
           tf.constant(1.0), group_size=cluster.worker_num, group_key=BARRIER_GROUP_KEY,
-          instance_key=instance, merge_op="Add", final_op="Id", timeout=float(timeout))
+          instance_key=instance, merge_op="Add", final_op="Id")
   config = session_target_config(cluster, tf.ConfigProto())
   start = time.time()
   try:
     with tf.Session(server.target, graph=graph, config=config) as sess:
-      joined = sess.run(ping)
+      # a run deadline, not the op's own timeout (which costs a thread; see epl.collectives)
+      joined = sess.run(ping, options=tf.RunOptions(timeout_in_ms=int(timeout * 1000)))
   except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
           tf.errors.InternalError, tf.errors.CancelledError, tf.errors.AbortedError) as e:
     raise StartupError(

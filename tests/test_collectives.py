@@ -1,0 +1,53 @@
+"""epl.collectives: in-worker reductions (one-device and chunked) and their results."""
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from epl.collectives import Collectives, worker_of
+
+
+def _run(build, devices):
+  g = tf.Graph()
+  with g.as_default():
+    values = [np.arange(10, dtype=np.float32) * (i + 1) for i in range(devices)]
+    names = ["/device:CPU:%d" % (i + 1) for i in range(devices)]
+    inputs = []
+    for v, d in zip(values, names):
+      with tf.device(d):
+        inputs.append(tf.Variable(v) * 1.0)
+    outs = build(inputs, names)
+    config = tf.ConfigProto(device_count={"CPU": devices + 1})
+    with tf.Session(config=config) as sess:
+      sess.run(tf.global_variables_initializer())
+      results = sess.run(outs)
+    ops = g.get_operations()
+  return values, results, ops
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("method", ["mean", "sum"])
+def test_in_worker_all_reduce(devices, chunked, method):
+  coll = Collectives(on_gpu=False, chunked=chunked)
+  values, results, ops = _run(lambda xs, ds: coll.all_reduce(xs, ds, method), devices)
+  want = np.sum(values, axis=0) / (devices if method == "mean" else 1)
+  for r in results:
+    np.testing.assert_allclose(r, want, rtol=1e-6)
+  assert not [op for op in ops if op.type.startswith("Collective")]
+  sums = [op for op in ops if op.type == "AddN"]
+  assert len(sums) == (devices if chunked else 1)
+  if chunked:                                # each device sums one chunk
+    assert sorted(op.device for op in sums) == sorted(
+        "/device:CPU:%d" % (i + 1) for i in range(devices))
+
+
+def test_in_worker_all_gather():
+  coll = Collectives(on_gpu=False)
+  values, results, _ = _run(lambda xs, ds: coll.all_gather(xs, ds), 2)
+  for r in results:
+    np.testing.assert_array_equal(r, np.concatenate(values))
+
+
+def test_worker_of_device_names():
+  assert worker_of("/job:worker/replica:0/task:3/device:CPU:1") == 3
+  assert worker_of("/device:CPU:1") == 0
