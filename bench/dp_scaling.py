@@ -81,7 +81,7 @@ def worker_epl(args):
     # a 4 MiB all-reduce through the collectives epl's gradient sync uses (same key space)
     pg = epl.Graph.get()
     group = pg.plan.group_of(0)
-    mine = pg.plan.device_of(0, 0)
+    mine = pg.worker.device_of(0, 0)
     with tf.device(mine):
       reduced = pg.collectives.all_reduce([big.read_value()], [mine], "mean", group=group)[0]
     for _ in range(5):
@@ -113,7 +113,7 @@ def worker_bare(args):
   with tf.device("/job:worker/replica:0/task:%d/device:CPU:0" % index):
     big = tf.Variable(tf.ones([1 << 20]))
     red = collective_ops.all_reduce_v2(big.read_value(), 2, 1, 1, "Add", "Div",
-                                       communication_hint="ring", timeout=60)
+                                       communication_hint="ring")
   config.device_filters.append("/job:worker/task:%d" % index)
   with tf.Session(server.target, config=config) as sess:
     sess.run(tf.global_variables_initializer())

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow.compat.v1 as tf  # noqa: E402
 
 import epl  # noqa: E402
-from epl.env import Env  # noqa: E402
+from epl.entry import _state  # noqa: E402
 from epl.runtime import driver  # noqa: E402
 
 tf.disable_v2_behavior()
@@ -104,7 +104,7 @@ def rewrite_time(target_ops, replicas=4):
     bert_like(layers)
     ops_before = len(g.get_operations())
     start = time.perf_counter()
-    driver.rewrite(Env.get().state())
+    driver.rewrite(_state())
     seconds = time.perf_counter() - start
     ops_after = len(g.get_operations())
   return ops_before, ops_after, seconds

@@ -15,13 +15,12 @@ from epl.env import set_env_defaults as _set_env_defaults
 _set_env_defaults()
 
 # pylint: disable=wrong-import-position
-from epl.annotate import replicate, set_default_strategy, split  # noqa: E402
-from epl.collections_api import GraphKeys, add_to_collection, get_collection  # noqa: E402
+from epl.collections_api import GraphKeys  # noqa: E402
 from epl.config import Config  # noqa: E402
+from epl.entry import (Graph, add_to_collection, get_collection, init, replicate,  # noqa: E402
+                       set_default_strategy, split)
 from epl.env import Env  # noqa: E402
 from epl.errors import EplError  # noqa: E402
-from epl.runtime.parallel_graph import ParallelGraph as Graph  # noqa: E402
-from epl.entry import init  # noqa: E402
 from epl import timeline  # noqa: E402,F401
 
 __all__ = ["init", "Config", "replicate", "split", "set_default_strategy", "Env",

@@ -3,7 +3,8 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * ten hooks, installed by ``epl.init`` and removed by ``uninstall()``. Each wraps one TF
+  * ten hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
+    receives their events (epl.runtime.hooks) and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
     ======================================  ==================================================
@@ -80,146 +81,154 @@ def unfinalized(graph):
     yield
   finally:
     if was:
-      _ORIGINALS.get("Graph.finalize", _ops.Graph.finalize)(graph)
+      _ORIGINALS.get((_ops.Graph, "finalize"), _ops.Graph.finalize)(graph)
 
 
 # ---- hooks -----------------------------------------------------------------------------------
-_ORIGINALS = {}
-_listener = None
+_ORIGINALS = {}          # (owner, attribute) -> TF's own function
+_listener = None         # the epl.runtime.hooks.Dispatcher of the managed graph
 
 
-def _install(owner, attr, key, make_wrapper):
-  original = getattr(owner, attr)
-  _ORIGINALS[key] = original
-  wrapper = make_wrapper(original)
-  functools.update_wrapper(wrapper, original)
-  wrapper.__epl_hook__ = True
-  setattr(owner, attr, wrapper)
+def _manages(graph):
+  return _listener is not None and _listener.manages(graph)
+
+
+def _gradients_hook(original):
+  helper_sig = inspect.signature(original)
+
+  def helper(*args, **kwargs):
+    graph = _ops.get_default_graph()
+    if not _manages(graph):
+      return original(*args, **kwargs)
+    bound = helper_sig.bind(*args, **kwargs)
+    bound.arguments["colocate_gradients_with_ops"] = True
+    first = graph.version + 1
+    result = original(*bound.args, **bound.kwargs)
+    _listener.on_phase(graph, first, graph.version, "backward")
+    return result
+  return helper
+
+
+def _apply_hook(original):
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    graph = _ops.get_default_graph()
+    if not _manages(graph):
+      return original(self, grads_and_vars, global_step=global_step, name=name)
+    grads_and_vars = tuple(grads_and_vars)
+    first = graph.version + 1
+    result = original(self, grads_and_vars, global_step=global_step, name=name)
+    _listener.on_phase(graph, first, graph.version, "apply")
+    _listener.on_apply(graph, grads_and_vars)
+    return result
+  return apply_gradients
+
+
+def _rewrite_before(original):
+  """Scaffold.finalize (MonitoredTrainingSession) builds init/ready/saver ops from the graph."""
+  def finalize(self):
+    graph = _ops.get_default_graph()
+    if _manages(graph) and not graph.finalized:
+      _listener.before_session(graph)
+    return original(self)
+  return finalize
+
+
+def _graph_finalize_hook(original):
+  def finalize(self):
+    if _manages(self) and not self.finalized:
+      _listener.before_session(self)
+    return original(self)
+  return finalize
+
+
+def _session_init_hook(original):
+  def __init__(self, target="", graph=None, config=None):
+    g = graph if graph is not None else _ops.get_default_graph()
+    if _manages(g):
+      target, config = _listener.session_args(g, target, config)
+    return original(self, target, graph, config)
+  return __init__
+
+
+def _session_run_hook(original):
+  def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    if _manages(self.graph):
+      return _listener.run(self, original, fetches, feed_dict, options, run_metadata)
+    return original(self, fetches, feed_dict, options, run_metadata)
+  return run
+
+
+def _saver_save_hook(original):
+  def save(self, sess, save_path, *args, **kwargs):
+    if _manages(sess.graph) and not _listener.is_chief(sess.graph):
+      return save_path                     # the chief writes the shared checkpoint
+    return original(self, sess, save_path, *args, **kwargs)
+  return save
+
+
+def _add_event_hook(original):
+  def add_event(self, *args, **kwargs):
+    if _listener is not None and not _listener.is_chief(None):
+      return None
+    return original(self, *args, **kwargs)
+  return add_event
+
+
+def _slices_hook(original):
+  def __init__(self, element, is_files=False, name=None):
+    graph = _ops.get_default_graph()
+    if _manages(graph):
+      files = _file_list(element)
+      if files is not None:
+        mine = _listener.slice_files(graph, files, is_files)
+        if mine is not None:
+          element = mine
+    return original(self, element, is_files=is_files, name=name)
+  return __init__
+
+
+# (owner, attribute, wrapper factory): the table the module docstring describes
+_HOOKS = (
+    (_gradients_util, "_GradientsHelper", _gradients_hook),
+    (_optimizer.Optimizer, "apply_gradients", _apply_hook),
+    (_monitored_session.Scaffold, "finalize", _rewrite_before),
+    (_ops.Graph, "finalize", _graph_finalize_hook),
+    (_session.BaseSession, "__init__", _session_init_hook),
+    (_session.BaseSession, "run", _session_run_hook),
+    (_saver.Saver, "save", _saver_save_hook),
+    (_writer.FileWriter, "add_event", _add_event_hook),
+    (_writer.FileWriter, "_add_event", _add_event_hook),
+    (_slices._TensorSliceDataset, "__init__", _slices_hook),  # pylint: disable=protected-access
+)
 
 
 def install(listener):
-  """Installs the hooks; ``listener`` receives the events (see epl.runtime.driver)."""
+  """Installs the hooks (once per process); ``listener`` receives the events from now on."""
   global _listener
   _listener = listener
   if _ORIGINALS:
     return
-  helper_sig = inspect.signature(_gradients_util._GradientsHelper)  # pylint: disable=protected-access
-
-  def gradients_wrapper(original):
-    def helper(*args, **kwargs):
-      graph = _ops.get_default_graph()
-      if _listener is None or not _listener.manages(graph):
-        return original(*args, **kwargs)
-      bound = helper_sig.bind(*args, **kwargs)
-      bound.arguments["colocate_gradients_with_ops"] = True
-      first = graph.version + 1
-      result = original(*bound.args, **bound.kwargs)
-      _listener.on_phase(graph, first, graph.version, "backward")
-      return result
-    return helper
-
-  def apply_wrapper(original):
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-      graph = _ops.get_default_graph()
-      if _listener is None or not _listener.manages(graph):
-        return original(self, grads_and_vars, global_step=global_step, name=name)
-      grads_and_vars = tuple(grads_and_vars)
-      first = graph.version + 1
-      result = original(self, grads_and_vars, global_step=global_step, name=name)
-      _listener.on_phase(graph, first, graph.version, "apply")
-      _listener.on_apply(graph, grads_and_vars)
-      return result
-    return apply_gradients
-
-  def scaffold_wrapper(original):
-    def finalize(self):
-      graph = _ops.get_default_graph()
-      if _listener is not None and _listener.manages(graph) and not graph.finalized:
-        _listener.before_session(graph)
-      return original(self)
-    return finalize
-
-  def graph_finalize_wrapper(original):
-    def finalize(self):
-      if _listener is not None and _listener.manages(self) and not self.finalized:
-        _listener.before_session(self)
-      return original(self)
-    return finalize
-
-  def session_init_wrapper(original):
-    def __init__(self, target="", graph=None, config=None):
-      g = graph if graph is not None else _ops.get_default_graph()
-      if _listener is not None and _listener.manages(g):
-        target, config = _listener.session_args(g, target, config)
-      return original(self, target, graph, config)
-    return __init__
-
-  def session_run_wrapper(original):
-    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-      if _listener is not None and _listener.manages(self.graph):
-        return _listener.run(self, original, fetches, feed_dict, options, run_metadata)
-      return original(self, fetches, feed_dict, options, run_metadata)
-    return run
-
-  def saver_save_wrapper(original):
-    def save(self, sess, save_path, *args, **kwargs):
-      if _listener is not None and _listener.manages(sess.graph) and \
-          not _listener.is_chief(sess.graph):
-        return save_path                     # the chief writes the shared checkpoint
-      return original(self, sess, save_path, *args, **kwargs)
-    return save
-
-  def add_event_wrapper(original):
-    def add_event(self, *args, **kwargs):
-      if _listener is not None and not _listener.is_chief(None):
-        return None
-      return original(self, *args, **kwargs)
-    return add_event
-
-  def slices_wrapper(original):
-    def __init__(self, element, is_files=False, name=None):
-      graph = _ops.get_default_graph()
-      if _listener is not None and _listener.manages(graph):
-        files = _file_list(element)
-        if files is not None:
-          mine = _listener.slice_files(graph, files, is_files)
-          if mine is not None:
-            element = mine
-      return original(self, element, is_files=is_files, name=name)
-    return __init__
-
-  _install(_slices._TensorSliceDataset, "__init__", "TensorSliceDataset", slices_wrapper)
-  _install(_saver.Saver, "save", "Saver.save", saver_save_wrapper)
-  _install(_writer.FileWriter, "add_event", "FileWriter.add_event", add_event_wrapper)
-  _install(_writer.FileWriter, "_add_event", "FileWriter._add_event", add_event_wrapper)
-  _install(_gradients_util, "_GradientsHelper", "_GradientsHelper", gradients_wrapper)
-  _install(_optimizer.Optimizer, "apply_gradients", "apply_gradients", apply_wrapper)
-  _install(_monitored_session.Scaffold, "finalize", "Scaffold.finalize", scaffold_wrapper)
-  _install(_ops.Graph, "finalize", "Graph.finalize", graph_finalize_wrapper)
-  _install(_session.BaseSession, "__init__", "BaseSession.__init__", session_init_wrapper)
-  _install(_session.BaseSession, "run", "BaseSession.run", session_run_wrapper)
+  for owner, attr, make_wrapper in _HOOKS:
+    original = getattr(owner, attr)
+    _ORIGINALS[(owner, attr)] = original
+    wrapper = make_wrapper(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper.__epl_hook__ = True
+    setattr(owner, attr, wrapper)
 
 
 def uninstall():
   """Removes every hook, restoring TF's own functions."""
   global _listener
   _listener = None
-  targets = {
-      "TensorSliceDataset": (_slices._TensorSliceDataset, "__init__"),
-      "Saver.save": (_saver.Saver, "save"),
-      "FileWriter.add_event": (_writer.FileWriter, "add_event"),
-      "FileWriter._add_event": (_writer.FileWriter, "_add_event"),
-      "_GradientsHelper": (_gradients_util, "_GradientsHelper"),
-      "apply_gradients": (_optimizer.Optimizer, "apply_gradients"),
-      "Scaffold.finalize": (_monitored_session.Scaffold, "finalize"),
-      "Graph.finalize": (_ops.Graph, "finalize"),
-      "BaseSession.__init__": (_session.BaseSession, "__init__"),
-      "BaseSession.run": (_session.BaseSession, "run"),
-  }
-  for key, original in list(_ORIGINALS.items()):
-    owner, attr = targets[key]
+  for (owner, attr), original in _ORIGINALS.items():
     setattr(owner, attr, original)
   _ORIGINALS.clear()
+
+
+def installed():
+  """True while the hooks are in place."""
+  return bool(_ORIGINALS)
 
 
 def _file_list(element):
@@ -242,6 +251,3 @@ def _file_list(element):
     return None
   return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
-
-def installed():
-  return bool(_ORIGINALS)

@@ -5,6 +5,9 @@ and exit bound the ids (the "capture ops" idea; nothing in TF is patched for it)
 every scope are assigned by EPL's rules (see ``Recorder.taskgraph_of``). The scope stack is
 thread-local and only lives while the graph is built.
 
+The public ``epl.replicate`` / ``epl.split`` / ``epl.set_default_strategy`` (epl.entry) build
+these objects and hand over the recorder of the graph being built.
+
 Example:
   >>> with epl.replicate(device_count=1, name="stage_0"):
   ...   hidden = tf.layers.dense(x, 16)
@@ -56,18 +59,22 @@ class TaskGraphSpec:
 
 
 class Strategy:
-  """A strategy annotation; use as a context manager or pass to ``set_default_strategy``."""
+  """A strategy annotation; use as a context manager or pass to ``set_default_strategy``.
 
-  def __init__(self, kind, device_count, name):
+  ``recorder_of_default_graph`` is called when the scope is entered: it hands over the
+  Recorder of the graph being built (epl.entry supplies it).
+  """
+
+  def __init__(self, kind, device_count, name, recorder_of_default_graph):
     if device_count is not None and (isinstance(device_count, bool) or
                                      not isinstance(device_count, int) or device_count < 1):
       raise AnnotationError("epl.%s(device_count=%r): device_count must be a positive int" %
                             (kind, device_count))
     self.kind, self.device_count, self.name = kind, device_count, name
+    self._recorder_of_default_graph = recorder_of_default_graph
     self._recorder = None
 
   def __enter__(self):
-    from epl.env import Env
     stack = _stack()
     location = _user_location()
     if stack:
@@ -75,7 +82,7 @@ class Strategy:
       raise AnnotationError(
           "epl scopes cannot be nested: %s opened inside %s. Close the outer scope first; "
           "each scope is one TaskGraph." % (self._describe(location), outer[1].describe()))
-    recorder = Env.get().state().recorder
+    recorder = self._recorder_of_default_graph()
     spec = recorder.enter_scope(self, location)
     stack.append((self, spec))
     self._recorder = recorder
@@ -95,31 +102,12 @@ class Strategy:
     return "epl.%s(device_count=%s, name=%r)" % (self.kind, self.device_count, self.name)
 
 
-def replicate(device_count=None, name=None):
-  """Ops created inside form one TaskGraph trained data-parallel.
-
-  Args:
-    device_count: devices one model replica of this TaskGraph uses (default 1); with k > 1
-      each replica's batch is split over its k devices.
-    name: a name for the TaskGraph (shown by ``epl.Graph.get().format()``).
-  Returns:
-    A context manager (also accepted by ``set_default_strategy``).
-  """
-  return Strategy(REPLICATE, device_count, name)
-
-
-def split(device_count=None, name=None):
-  """Ops created inside form one TaskGraph split over ``device_count`` devices."""
-  return Strategy(SPLIT, device_count, name)
-
-
-def set_default_strategy(strategy):
+def set_default(strategy, recorder_of_default_graph):
   """Ops created outside any scope from now on form a new TaskGraph with ``strategy``.
 
   Raises:
     AnnotationError: ``strategy`` is not an epl strategy, or a scope is open.
   """
-  from epl.env import Env
   if not isinstance(strategy, Strategy):
     raise AnnotationError("epl.set_default_strategy expects epl.replicate(...) or epl.split(...), "
                           "got %r" % (strategy,))
@@ -127,7 +115,7 @@ def set_default_strategy(strategy):
   if _stack():
     raise AnnotationError("epl.set_default_strategy(%r) called at %s inside the scope %s; call it "
                           "outside every scope" % (strategy, location, _stack()[-1][1].describe()))
-  Env.get().state().recorder.set_default(strategy, location)
+  recorder_of_default_graph().set_default(strategy, location)
 
 
 class Recorder:

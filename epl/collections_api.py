@@ -1,9 +1,10 @@
-"""``epl.add_to_collection`` / ``epl.get_collection`` / ``epl.GraphKeys``: merged outputs.
+"""``epl.GraphKeys``: the keys of ``epl.add_to_collection`` (merged outputs; see epl.entry).
 
 Fetching a tensor added under a key returns its merge over the model copies: mean, sum or
 concatenation along dimension 0. ``GLOBAL_*`` merge job-wide, ``LOCAL_*`` over this worker's
 copies (the same on a single worker).
 """
+from epl.errors import ConfigError, closest
 
 
 class GraphKeys:
@@ -24,25 +25,9 @@ MERGE_KINDS = {
 }
 
 
-def add_to_collection(tensor, key):
-  """Marks ``tensor`` so that fetching it returns its merge over the model copies.
-
-  Args:
-    tensor: a tensor of the model (the loss, a metric, predictions).
-    key: one of ``epl.GraphKeys``.
-  Raises:
-    ConfigError: ``key`` is not one of ``epl.GraphKeys``.
-  """
-  from epl.env import Env
-  from epl.errors import ConfigError, closest
+def check_key(key):
+  """Raises ConfigError unless ``key`` is one of ``epl.GraphKeys``."""
   if key not in MERGE_KINDS:
     hint = closest(str(key), MERGE_KINDS)
     raise ConfigError("epl.add_to_collection: unknown key %r%s; use one of epl.GraphKeys" % (
         key, " (did you mean %r?)" % hint if hint else ""))
-  Env.get().state().collections.setdefault(key, []).append(tensor)
-
-
-def get_collection(key):
-  """The tensors added under ``key`` (a list, empty if none)."""
-  from epl.env import Env
-  return list(Env.get().state().collections.get(key, []))

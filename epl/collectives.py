@@ -71,7 +71,7 @@ class Collectives:
     self.chunked = on_gpu if chunked is None else chunked
     self._groups = {}
     self._next_instance = 1
-    log.debug("epl collectives: in-worker %s sums, %s collectives across workers",
+    log.debug("collectives: in-worker %s sums, %s collectives across workers",
               "chunked" if self.chunked else "one-device", self.hint)
 
   # ---- keys ----------------------------------------------------------------------------

@@ -12,8 +12,7 @@ Example:
 """
 import dataclasses
 import os
-import types
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from epl.errors import ConfigError, NotImplementedYetError, closest
 
@@ -27,7 +26,6 @@ class Key:
   choices: Tuple[str, ...] = ()      # for "str": allowed spellings (matched case-insensitively)
   minimum: Optional[int] = None      # for "int"
   built: bool = True                 # False: only the default is accepted
-  check: Optional[Callable[[Any], bool]] = None
   help: str = ""
 
   @property
@@ -74,6 +72,8 @@ KEYS = {k.name: k for k in [
     _k("io.unbalanced_io_slicing", "bool", False),
     _k("io.drop_last_files", "bool", False),
     _k("auto.auto_parallel", "bool", False, built=False),
+    _k("log.level", "str", "info", ("debug", "info", "warning", "error"),
+       help="epl's own messages (plan, passes, collectives at debug); epl-launch --debug"),
 ]}
 
 _TRUE = ("true", "1", "yes", "on")
@@ -174,9 +174,7 @@ class Config:
       values[name] = value
     object.__setattr__(self, "_values", values)
     for section in _SECTIONS:
-      prefix = section + "."
-      object.__setattr__(self, section, types.SimpleNamespace(**{
-          n[len(prefix):]: v for n, v in values.items() if n.startswith(prefix)}))
+      object.__setattr__(self, section, _Section(section, values))
 
   def get(self, name):
     """Returns the value of key ``name`` (``"section.key"``)."""
@@ -196,6 +194,29 @@ class Config:
   def __repr__(self):
     changed = {n: v for n, v in self._values.items() if v != KEYS[n].default}
     return "epl.Config(%r)" % changed
+
+
+class _Section:
+  """``config.pipeline``: read-only attribute access to one section's keys."""
+  __slots__ = ("_name", "_values")
+
+  def __init__(self, name, values):
+    prefix = name + "."
+    object.__setattr__(self, "_name", name)
+    object.__setattr__(self, "_values", {
+        n[len(prefix):]: v for n, v in values.items() if n.startswith(prefix)})
+
+  def __getattr__(self, key):
+    try:
+      return self._values[key]
+    except KeyError:
+      raise AttributeError(str(_unknown("%s.%s" % (self._name, key)))) from None
+
+  def __setattr__(self, key, value):
+    raise AttributeError("epl.Config is read-only; build a new Config({...}) instead")
+
+  def __repr__(self):
+    return "%s(%s)" % (self._name, ", ".join("%s=%r" % kv for kv in self._values.items()))
 
 
 _SECTIONS = sorted({name.split(".")[0] for name in KEYS})

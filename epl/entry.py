@@ -1,13 +1,27 @@
-"""``epl.init``: bind epl to the current default graph and install the compat hooks."""
+"""The public API that needs epl's state: ``epl.init``, the strategy scopes, merged-output
+collections and ``epl.Graph.get()``.
+
+This module (with the hook dispatcher it installs) is the only place that looks epl's state
+up through ``epl.Env``; it hands the recorder and the graph state to everything below.
+"""
+import logging
 import os
+import sys
 
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
+from epl import annotate
 from epl.cluster import Cluster
+from epl.collections_api import check_key
 from epl.config import Config
-from epl.env import Env, GraphState
+from epl.env import Env
 from epl.errors import RuntimeStateError
+from epl.runtime import driver
+from epl.runtime.hooks import Dispatcher
+from epl.runtime.state import GraphState
+
+log = logging.getLogger("epl")
 
 
 def _visible_gpus():
@@ -17,7 +31,8 @@ def _visible_gpus():
 def init(config=None):
   """Starts epl for the current default graph (graph mode only).
 
-  Calling it again resets epl's state for a fresh graph.
+  Calling it again for another graph resets epl's state for that graph. Calling it again for a
+  graph that already has epl annotations is refused (they would be dropped silently).
 
   Args:
     config: an ``epl.Config`` (default: ``epl.Config()``, i.e. defaults + EPL_* environment).
@@ -25,7 +40,8 @@ def init(config=None):
     the ``epl.Env``.
   Raises:
     RuntimeStateError: TensorFlow runs eagerly (call
-      ``tf.compat.v1.disable_v2_behavior()`` first).
+      ``tf.compat.v1.disable_v2_behavior()`` first), or epl.init() was already called for
+      this graph and annotations were made since.
   """
   if tf.executing_eagerly():
     raise RuntimeStateError(
@@ -35,15 +51,121 @@ def init(config=None):
     config = Config()
   elif not isinstance(config, Config):
     raise RuntimeStateError("epl.init(config): expected an epl.Config, got %r" % (config,))
+  graph = tf.get_default_graph()
+  previous = Env._current._state if Env._current is not None else None  # pylint: disable=protected-access
+  if previous is not None and previous.graph is graph and previous.recorder.specs:
+    raise RuntimeStateError(
+        "epl.init() was already called for this graph, and the TaskGraph(s) annotated since "
+        "(%s) would be dropped; call epl.init() once, before building the model (or build the "
+        "model in a new tf.Graph())" % ", ".join(
+            "%r at %s" % (s.name, s.location) for s in previous.recorder.specs))
   cluster = Cluster.from_environment(config.cluster.devices_per_worker,
                                      os.environ.get("TF_CONFIG", ""), _visible_gpus())
-  state = GraphState(tf.get_default_graph(), config, cluster)
+  _configure_logging(config, cluster)
+  state = GraphState(graph, config, cluster)
   if cluster.distributed:
     from epl.runtime import server
     state.server = server.start_server(cluster)
     server.barrier(state.server, cluster, config.cluster.startup_timeout,
                    instance=server.next_barrier())
-  Env._reset(state)  # pylint: disable=protected-access
-  from epl.runtime.driver import Listener
-  compat.install(Listener())
+  activate(state)
+  log.debug("epl.init: %s, %r", cluster, config)
   return Env.get()
+
+
+def activate(state):
+  """Makes ``state`` the managed graph: the public view and the hook dispatcher."""
+  Env._reset_to(state)  # pylint: disable=protected-access
+  compat.install(Dispatcher(state))
+
+
+def _configure_logging(config, cluster):
+  """epl's own messages go to stderr at ``log.level``, prefixed with the worker in a job."""
+  handler = next((h for h in log.handlers if getattr(h, "_epl", False)), None)
+  if handler is None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler._epl = True  # pylint: disable=protected-access
+    log.addHandler(handler)
+    log.propagate = False
+  prefix = "[epl w%d] " % cluster.worker_index if cluster.distributed else "[epl] "
+  handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+  log.setLevel(config.log.level.upper())
+
+
+def _state():
+  """epl's state for the graph being built (the default graph)."""
+  state = Env.get()._state  # pylint: disable=protected-access
+  graph = tf.get_default_graph()
+  if graph is not state.graph:
+    raise RuntimeStateError(
+        "epl was initialised for another graph; call epl.init() inside "
+        "`with graph.as_default():` of the graph you build")
+  return state
+
+
+def _recorder():
+  return _state().recorder
+
+
+# ---- strategy scopes ---------------------------------------------------------------------
+def replicate(device_count=None, name=None):
+  """Ops created inside form one TaskGraph trained data-parallel.
+
+  Args:
+    device_count: devices one model replica of this TaskGraph uses (default 1); with k > 1
+      each replica's batch is split over its k devices.
+    name: a name for the TaskGraph (shown by ``epl.Graph.get().format()``).
+  Returns:
+    A context manager (also accepted by ``set_default_strategy``).
+
+  Example:
+    >>> with epl.replicate(device_count=1, name="stage_0"):
+    ...   hidden = tf.layers.dense(x, 16)
+  """
+  return annotate.Strategy(annotate.REPLICATE, device_count, name, _recorder)
+
+
+def split(device_count=None, name=None):
+  """Ops created inside form one TaskGraph split over ``device_count`` devices."""
+  return annotate.Strategy(annotate.SPLIT, device_count, name, _recorder)
+
+
+def set_default_strategy(strategy):
+  """Ops created outside any scope from now on form a new TaskGraph with ``strategy``.
+
+  Raises:
+    AnnotationError: ``strategy`` is not an epl strategy, or a scope is open.
+  """
+  annotate.set_default(strategy, _recorder)
+
+
+# ---- merged outputs ----------------------------------------------------------------------
+def add_to_collection(tensor, key):
+  """Marks ``tensor`` so that fetching it returns its merge over the model copies.
+
+  Args:
+    tensor: a tensor of the model (the loss, a metric, predictions).
+    key: one of ``epl.GraphKeys``.
+  Raises:
+    ConfigError: ``key`` is not one of ``epl.GraphKeys``.
+  """
+  check_key(key)
+  _state().collections.setdefault(key, []).append(tensor)
+
+
+def get_collection(key):
+  """The tensors added under ``key`` (a list, empty if none)."""
+  return list(_state().collections.get(key, []))
+
+
+class Graph:
+  """``epl.Graph.get()``: introspection of the parallel graph."""
+
+  @staticmethod
+  def get():
+    """The ParallelGraph of the graph ``epl.init`` was called for.
+
+    Before the first step it shows the plan the annotations ask for; after it (or after
+    ``MonitoredTrainingSession`` creation) it also shows the replicas epl built.
+    """
+    return driver.parallel_graph(_state())

@@ -146,13 +146,14 @@ def test_only_the_chief_writes_checkpoints(tmp_path):
   """A non-chief worker's Saver.save (MonitoredTrainingSession with is_chief=True on every
   worker, as EPL's examples do) writes nothing."""
   from epl.cluster import Cluster
-  from epl.env import Env, GraphState
+  from epl.entry import activate
+  from epl.runtime.state import GraphState
   for index, writes in ((1, False), (0, True)):
     g = tf.Graph()
     with g.as_default():
       epl.init(epl.Config())
-      state = GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False))
-      Env._reset(state)                        # pretend to be worker `index` of two
+      # pretend to be worker `index` of two
+      activate(GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False)))
       tf.Variable(1.0, name="v")
       saver = tf.train.Saver()
       with tf.Session() as sess:             # a local session: no server is needed here
@@ -163,13 +164,14 @@ def test_only_the_chief_writes_checkpoints(tmp_path):
 
 def test_only_the_chief_writes_summaries(tmp_path):
   from epl.cluster import Cluster
-  from epl.env import Env, GraphState
+  from epl.entry import activate
+  from epl.runtime.state import GraphState
   counts = {}
   for index in (1, 0):
     g = tf.Graph()
     with g.as_default():
       epl.init(epl.Config())
-      Env._reset(GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False)))
+      activate(GraphState(g, epl.Config(), Cluster(("a:1", "b:2"), index, 1, False)))
       logdir = tmp_path / ("w%d" % index)
       writer = tf.summary.FileWriter(str(logdir))
       summary = tf.Summary(value=[tf.Summary.Value(tag="loss", simple_value=1.0)])

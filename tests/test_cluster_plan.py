@@ -4,7 +4,8 @@ import pytest
 
 from epl.cluster import Cluster, parse_tf_config
 from epl.errors import PlanError
-from epl.plan import ParallelPlan, TaskGraphPlan
+from epl.plan.placement import Replicate, Split, bridge
+from epl.plan.plan import Communication, Copy, Gradient, ParallelPlan, TaskGraphPlan
 
 
 def test_virtual_devices_keep_cpu0_as_host():
@@ -43,12 +44,26 @@ def test_bad_tf_config(conf, message):
     parse_tf_config(json.dumps(conf))
 
 
-def test_plan_json_round_trip():
-  tg = TaskGraphPlan(0, "stage_0", "replicate", 1, "x.py:3",
+def test_plan_json_round_trip_and_worker_views():
+  tg = TaskGraphPlan(0, "stage_0", Replicate(1), "x.py:3",
                      {"forward": ("a", "b"), "backward": ("c",), "apply": ()})
-  plan = ParallelPlan((tg,), 2, 1, 1, "PreferBackward",
-                      ((("/device:CPU:1",),), (("/device:CPU:2",),)), "/device:CPU:0", "mean",
-                      5, False, 600)
+  w = "/job:worker/replica:0/task:%d/device:CPU:%d"
+  copies = tuple(Copy(r, 0, r // 2, ((w % (r // 2, r % 2 + 1),),)) for r in range(4))
+  plan = ParallelPlan((tg,), copies, 1, 2, "PreferBackward", (("F0", "F1", "B0", "B1"),),
+                      (w % (0, 0), w % (1, 0)), (Gradient("v", ("g:0",), ("g:0",)),), ("step",),
+                      Communication("sum", 3, True, False, 60))
   again = ParallelPlan.from_json(plan.to_json())
   assert again == plan
-  assert "copy 1 (replica 1, shard 0): /device:CPU:2" in str(again)
+  assert "copy 3 (replica 3, shard 0, worker 1): %s" % (w % (1, 2)) in str(again)
+  assert plan.op_index["c"] == (0, "backward")
+  one = plan.for_worker(1)
+  assert one.num_copies == 2 and one.device_of(1, 0) == w % (1, 2)
+  assert one.client_group(0) == ((w % (0, 1), w % (1, 1)), 1)
+  assert plan.group_of(0) == tuple(c.devices[0][0] for c in copies)
+
+
+def test_placement_transitions_table():
+  assert bridge(Replicate(1), Split(4)).forward == "all_gather"
+  assert bridge(Replicate(1), Split(4)).backward == "reduce_scatter"
+  assert bridge(Split(2), Split(2)).forward == "all_to_all"
+  assert str(Split(4)) == "split(device_count=4)"

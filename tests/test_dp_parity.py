@@ -22,7 +22,7 @@ def test_replicate_device_count_2_on_4_devices():
   # 2 replicas, each splitting its batch of 4 over 2 devices: the local batch is 2 x 4.
   local, dist = assert_parity(models.mlp, cfg(4), copies=2, batch=4,
                               strategies=[lambda: epl.replicate(device_count=2)])
-  assert dist.parallel.plan.num_replicas == 2 and dist.parallel.plan.shards == 2
+  assert dist.parallel.worker.num_replicas == 2 and dist.parallel.plan.shards == 2
   assert dist.parallel.num_copies == 4
 
 
@@ -88,11 +88,11 @@ def test_tf_function_in_model():
 def test_model_parallel_two_taskgraphs():
   two = [lambda: epl.replicate(1, name="stage_0"), lambda: epl.replicate(1, name="stage_1")]
   local, dist = assert_parity(models.mlp_two_stages, cfg(2), copies=1, strategies=two)
-  plan = dist.parallel.plan
-  assert plan.num_replicas == 1 and plan.devices[0][0] != plan.devices[0][1]
+  worker = dist.parallel.worker
+  assert worker.num_replicas == 1 and worker.device_of(0, 0) != worker.device_of(0, 1)
   # 4 devices: the 2-device model is replicated twice.
   local, dist = assert_parity(models.mlp_two_stages, cfg(4), copies=2, strategies=two)
-  assert dist.parallel.plan.num_replicas == 2
+  assert dist.parallel.worker.num_replicas == 2
 
 
 def test_no_annotation_runs_like_the_local_script():

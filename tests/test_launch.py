@@ -5,7 +5,7 @@ import os
 import pytest
 
 from epl.errors import PlanError
-from epl.launch.plan import parser, settings_from_args, worker_specs
+from epl.launch.spec import parser, settings_from_args, worker_specs
 from epl.io_slicing import assign_files
 
 HERE = os.path.abspath(__file__)

@@ -145,7 +145,7 @@ def test_killed_worker_stops_the_job(tmp_path):
 
 
 def test_worker_that_never_starts_is_an_error_within_60s(tmp_path):
-  from epl.launch.plan import free_ports
+  from epl.launch.spec import free_ports
   ports = free_ports(2)
   conf = json.dumps({"cluster": {"worker": ["localhost:%d" % p for p in ports]},
                      "task": {"type": "worker", "index": 0}})

@@ -44,8 +44,7 @@ def test_transformer_blocks_pipeline(strategy):
 
 def test_hybrid_two_stages_two_replicas_on_four_devices():
   local, dist = assert_parity(models.mlp_two_stages, cfg(4, 4), copies=8, strategies=stages(2))
-  plan = dist.parallel.plan
-  assert plan.num_replicas == 2 and len(plan.taskgraphs) == 2
+  assert dist.parallel.worker.num_replicas == 2 and len(dist.parallel.plan.taskgraphs) == 2
 
 
 def test_pipeline_with_fed_batches():

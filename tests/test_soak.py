@@ -25,7 +25,7 @@ def test_a_minute_of_training_keeps_threads_and_memory_flat():
     assert not r["problems"], (name, r["problems"])
     samples = r["samples"]
     assert samples[-1]["t"] >= 60, (name, samples[-1])
-    steps = [s["steps"] for s in samples]
+    steps = [s["steps"] for s in samples[:-1]]          # (the last sample: after the close)
     assert all(b > a for a, b in zip(steps, steps[1:])), (name, steps)   # never stalled
     threads = [s["threads"] for s in samples[1:-1]]                       # while training
     assert max(threads) < 400, (name, threads)

@@ -36,13 +36,13 @@ def test_each_gradient_synchronised_exactly_once(max_splits):
 
 def test_copies_on_distinct_devices_and_inputs_per_replica():
   res = _epl_run(devices=4)
-  g, rep = res.graph, res.parallel.replication
+  g, rep = res.graph, res.parallel.clones()
   matmul = g.get_operation_by_name("dense/MatMul")
   devices = [rep.op(c, matmul).device for c in range(4)]
   assert len(set(devices)) == 4 and all("CPU:0" not in d for d in devices)
   sources = [op for op in g.get_operations() if op.type == "IteratorGetNext"]
   assert len(sources) == 4                               # each replica reads its own batch
-  kernel = [rep.mirrored["dense/kernel"][c].device for c in range(4)]
+  kernel = [res.parallel.replication.mirrored["dense/kernel"][c].device for c in range(4)]
   assert kernel == devices
 
 
@@ -55,7 +55,7 @@ def test_no_annotation_changes_nothing():
 def test_format_is_readable():
   res = _epl_run(devices=2)
   text = res.parallel.format()
-  assert "2 replica(s) x 1 shard(s)" in text
+  assert "2 model replica(s) x 1 shard(s)" in text
   assert "TaskGraph 0" in text and "/device:CPU:2" in text
   assert "Gradient sync: 6 variable(s)" in text
   assert "forward" in text and "backward" in text and "apply" in text

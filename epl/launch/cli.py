@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from epl.launch.plan import parser, settings_from_args, worker_specs
+from epl.launch.spec import parser, settings_from_args, worker_specs
 
 GRACE_SECONDS = 5
 

@@ -1,14 +1,21 @@
-"""The rewrite passes, in the order they run.
+"""The rewrite passes, in the order they run: ``PASSES`` is the list ``rewrite`` executes.
 
-Each pass is one module with one entry function; it receives the plan and what earlier passes
-returned, never reads global state. ``rewrite`` runs them in ``PIPELINE`` order and returns the
-``ParallelGraph`` that the runtime uses (fetch mapping, replica sync) and users inspect.
+Each pass is one module with one entry function ``<name>(ctx) -> result``: it receives a
+``RewriteContext`` (the graph, the frozen plan, this worker's view, the results of the passes
+before it, by name) and returns its own frozen result; it never reads global state. Adding a
+pass is one module plus one line here.
 
-  analyze        which ops one model copy owns (epl.passes.analyze)
+  analyze        which ops each model copy owns, mirrored variables, singletons
   replicate      place copy 0, clone copies 1..n-1, wire singletons, build the replica sync
   micro_batch    clone each copy's forward + backward per micro-batch (pipeline.num_micro_batch)
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
 """
-PIPELINE = ("analyze", "replicate", "micro_batch", "schedule", "gradient_sync")
+from epl.passes.analyze import analyze
+from epl.passes.grad_sync import gradient_sync
+from epl.passes.micro_batch import micro_batch
+from epl.passes.replicate import replicate
+from epl.passes.schedule import schedule
+
+PASSES = (analyze, replicate, micro_batch, schedule, gradient_sync)

@@ -1,7 +1,8 @@
 """Step analysis: which ops one model copy must own, and which stay shared.
 
-Expects: the user's graph and its op -> TaskGraph attribution (epl.plan.build).
-Adds nothing to the graph; returns a ``StepAnalysis``:
+Expects: the plan's op -> TaskGraph attribution. Adds nothing to the graph; raises PlanError
+when a trainable variable is updated without a gradient epl can synchronise; returns a
+``StepAnalysis``:
 
 * ``per_copy`` (D): ops downstream of a data source (``get_next``, a batch placeholder) or of
   a stateful random op feeding them, by data edges; constants inside a ``tf.cond`` branch or
@@ -22,8 +23,9 @@ from typing import FrozenSet, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
+from epl.errors import PlanError
 from epl.passes.op_tables import (DATA_SOURCE_OPS, RANDOM_OPS, READ_OPS, VARIABLE_OPS,
-                                  is_host_op)
+                                  is_host_op, pinned_to_host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,7 @@ class StepAnalysis:
   sources: Tuple[tf.Operation, ...]      # data-source ops (cloned per replica)
   split_placeholders: Tuple[tf.Operation, ...]  # fed batches split over the copies
   cloned_set: FrozenSet[tf.Operation] = frozenset()
+  pinned: FrozenSet[tf.Operation] = frozenset()   # cloned ops the user put on the host CPU
 
   def __str__(self):
     return "StepAnalysis(%d cloned ops, %d mirrored variables, %d singletons, %d sources)" % (
@@ -47,7 +50,32 @@ def _is_batch_placeholder(op):
   return shape.rank is not None and shape.rank >= 1 and shape.dims[0].value is None
 
 
-def analyze(graph, owner, global_step_ops=()):
+def analyze(ctx):
+  """Runs the pass; see the module docstring."""
+  shared = [ctx.graph.get_operation_by_name(n) for n in ctx.plan.shared_variables]
+  result = _analyze(ctx.owner, shared)
+  _check_gradients(ctx.graph, result, ctx.plan)
+  return result
+
+
+def _check_gradients(graph, analysis, plan):
+  """A trainable variable the step writes without a recorded gradient would diverge."""
+  with_grad = {g.variable for g in plan.gradients}
+  trainable = {v.op: v for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)}
+  for var_op in analysis.mirrored:
+    if var_op.name in with_grad or var_op not in trainable:
+      continue
+    writers = [c for t in var_op.outputs for c in t.consumers()
+               if c in analysis.cloned_set and c.type not in READ_OPS]
+    if writers:
+      raise PlanError(
+          "epl found no gradient for trainable variable %r, which op %r updates in the "
+          "training step: epl synchronises gradients given to an optimizer's minimize() or "
+          "apply_gradients(); use one of those for this variable" % (
+              trainable[var_op].name, writers[0].name))
+
+
+def _analyze(owner, global_step_ops):
   """Returns the StepAnalysis of the ops in ``owner`` (op -> TaskGraph)."""
   in_scope = owner.keys()
   sources = [op for op in owner if op.type in DATA_SOURCE_OPS]
@@ -114,7 +142,8 @@ def analyze(graph, owner, global_step_ops=()):
   return StepAnalysis(tuple(order), tuple(sorted(mirrored, key=lambda o: o.name)),
                       tuple(sorted(singletons, key=lambda o: o.name)),
                       tuple(s for s in order if s.type in DATA_SOURCE_OPS),
-                      tuple(placeholders), frozenset(cloned))
+                      tuple(placeholders), frozenset(cloned),
+                      frozenset(op for op in cloned if pinned_to_host(op)))
 
 
 def _close_frames(d, in_scope, close):

@@ -98,3 +98,22 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
   for name, controls in control_after.items():
     compat.add_control_inputs(mapping[name], [c for c in controls])
   return mapping
+
+
+def rewire(tensor, new_tensor, consumers):
+  """Makes each op of ``consumers`` that reads ``tensor`` read ``new_tensor`` instead."""
+  consumers = set(consumers)
+  for consumer in list(tensor.consumers()):
+    if consumer in consumers:
+      for i, inp in enumerate(consumer.inputs):
+        if inp is tensor:
+          compat.update_input(consumer, i, new_tensor)
+
+
+def wait_for_clones(ops, clone_maps, members):
+  """Makes each op of ``ops`` (run once per step) also wait for the clones of its control
+  inputs that are in ``members``, in every clone map ({original name: clone})."""
+  for op in ops:
+    extra = [clones[x.name] for x in op.control_inputs if x in members
+             for clones in clone_maps if x.name in clones]
+    compat.add_control_inputs(op, extra)

@@ -1,7 +1,6 @@
 """Gradient sync pass: all-reduce every trainable variable's gradient across the copies.
 
-Expects: the ``Replication`` of the replica pass and the (gradient, variable) pairs that
-``apply_gradients`` saw. Adds, per bucket of dense gradients (grouped by TaskGraph and dtype,
+Expects: the clones of the replica and micro-batch passes and the plan's gradients. Adds, per bucket of dense gradients (grouped by TaskGraph and dtype,
 at most ``max_splits`` buckets each): a flatten + concat on each copy's device, one collective
 all-reduce, and a split back; the optimizer's apply ops of each copy are rewired to read the
 reduced gradient. ``IndexedSlices`` gradients are all-gathered (values and indices), or
@@ -15,9 +14,10 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl.errors import PlanError
+from epl.passes.clone import rewire
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SyncReport:
   buckets: List[List[str]]            # variable names per dense bucket
   gathered: List[str]                 # variables whose sparse gradients were all-gathered
@@ -27,24 +27,23 @@ class SyncReport:
     return [v for b in self.buckets for v in b] + list(self.gathered)
 
 
-def _apply_readers(grads_and_vars, phase):
+def _apply_readers(grads, phase):
   """{gradient tensor: apply-phase ops reading it}, taken before any rewiring."""
   readers = {}
-  for grad, _ in grads_and_vars:
-    if grad is None:
-      continue
+  for grad in grads:
     parts = [grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad]
     for t in parts:
       readers[t] = [c for c in t.consumers() if phase.get(c) == "apply"]
   return readers
 
 
-def _rewire(consumers, old, new):
-  from epl import _tf_compat as compat
-  for consumer in consumers:
-    for i, inp in enumerate(consumer.inputs):
-      if inp is old:
-        compat.update_input(consumer, i, new)
+def _tensors(graph, gradient):
+  """The gradient of a plan ``Gradient`` in the user's graph (a Tensor or IndexedSlices)."""
+  get = graph.get_tensor_by_name
+  if gradient.sparse:
+    values, indices, shape = gradient.applied
+    return tf.IndexedSlices(get(values), get(indices), get(shape) if shape else None)
+  return get(gradient.applied[0])
 
 
 def _static_size(t):
@@ -68,46 +67,42 @@ def _buckets(items, max_splits):
   return out
 
 
-def gradient_sync(graph, plan, replication, grads_and_vars, owner, phase, collectives):
+def gradient_sync(ctx):
   """Runs the pass; see the module docstring."""
+  graph, plan = ctx.graph, ctx.plan
   report = SyncReport([], [], [])
   if plan.total_copies == 1 and plan.num_micro_batch == 1:
     return report
-  readers = _apply_readers(grads_and_vars, phase)
+  replication, clones = ctx.result("replicate"), ctx.clones()
+  pairs = [(_tensors(graph, g), graph.get_operation_by_name(g.variable))
+           for g in plan.gradients]
+  readers = _apply_readers([grad for grad, _ in pairs], ctx.phase)
   dense: Dict[tuple, list] = {}
-  seen = set()
-  for grad, var in grads_and_vars:
-    if grad is None:
-      continue
-    var_op = var.op
-    if var_op.name in seen:
-      continue
-    seen.add(var_op.name)
+  for grad, var_op in pairs:
     if var_op.name not in replication.mirrored:
       raise PlanError(
           "epl cannot synchronise the gradient of variable %r: it is not used by the "
           "replicated training step. Create it inside the model (an epl scope) or leave it "
-          "out of the optimizer's var_list." % var.name)
-    tg = owner.get(var_op)
-    if isinstance(grad, tf.IndexedSlices) and not plan.sparse_as_dense:
-      _gather_sparse(graph, plan, replication, grad, var_op, tg, readers, collectives,
-                     report)
+          "out of the optimizer's var_list." % var_op.outputs[0].name)
+    tg = ctx.owner.get(var_op)
+    if isinstance(grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
+      _gather_sparse(ctx, clones, grad, var_op, tg, readers, report)
       continue
     dense.setdefault((tg, grad.dtype.base_dtype), []).append(
         dict(grad=grad, var=var_op, tg=tg, size=_static_size(grad.values if isinstance(
             grad, tf.IndexedSlices) else grad)))
   for (tg, _), items in sorted(dense.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-    devices = [plan.device_of(c, tg) for c in range(plan.num_copies)]
-    for bucket in _buckets(items, plan.max_splits):
-      _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectives, report)
+    devices = [ctx.worker.device_of(c, tg) for c in range(ctx.worker.num_copies)]
+    for bucket in _buckets(items, plan.communication.max_splits):
+      _reduce_bucket(ctx, clones, bucket, devices, readers, report)
   return report
 
 
-def _copy_grad(replication, c, grad, method="mean"):
+def _copy_grad(clones, c, grad, method="mean"):
   """Copy c's gradient: with micro-batches, accumulated over them (mean or sum)."""
-  count = replication.num_micro_batch
+  count = clones.num_micro_batch
   if count > 1:
-    parts = [_one_grad(replication, c, grad, m) for m in range(count)]
+    parts = [_one_grad(clones, c, grad, m) for m in range(count)]
     if isinstance(grad, tf.IndexedSlices):
       values = tf.concat([p.values for p in parts], axis=0)
       if method == "mean":
@@ -120,34 +115,34 @@ def _copy_grad(replication, c, grad, method="mean"):
     for part in parts[1:]:
       total = total + part
     return total / tf.cast(count, total.dtype) if method == "mean" else total
-  return _one_grad(replication, c, grad, 0)
+  return _one_grad(clones, c, grad, 0)
 
 
-def _one_grad(replication, c, grad, m):
+def _one_grad(clones, c, grad, m):
   if isinstance(grad, tf.IndexedSlices):
     shape = grad.dense_shape
-    if shape is not None and replication.tensor(c, shape, m) is not None:
-      shape = replication.tensor(c, shape, m)
-    return tf.IndexedSlices(replication.tensor(c, grad.values, m),
-                            replication.tensor(c, grad.indices, m), shape)
-  return replication.tensor(c, grad, m)
+    if shape is not None and clones.tensor(c, shape, m) is not None:
+      shape = clones.tensor(c, shape, m)
+    return tf.IndexedSlices(clones.tensor(c, grad.values, m),
+                            clones.tensor(c, grad.indices, m), shape)
+  return clones.tensor(c, grad, m)
 
 
-def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectives, report):
-  n = plan.num_copies
+def _reduce_bucket(ctx, clones, bucket, devices, readers, report):
+  n, method = ctx.worker.num_copies, ctx.plan.communication.reduce_method
   flats, per_copy = [], []
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
     for c in range(n):
-      grads = [_copy_grad(replication, c, item["grad"], plan.reduce_method) for item in bucket]
+      grads = [_copy_grad(clones, c, item["grad"], method) for item in bucket]
       with tf.device(devices[c]):
         dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
         flats.append(tf.concat([tf.reshape(g, [-1]) for g in dense], axis=0)
                      if len(dense) > 1 else tf.reshape(dense[0], [-1]))
       per_copy.append((grads, dense))
-    reduced = collectives.all_reduce(flats, devices, plan.reduce_method,
-                                     group=plan.group_of(bucket[0]["tg"]))
+    reduced = ctx.collectives.all_reduce(flats, devices, method,
+                                         group=ctx.plan.group_of(bucket[0]["tg"]))
     report.collective_ops.extend(r.op for r in reduced)
     for c in range(n):
       grads, dense = per_copy[c]
@@ -158,49 +153,47 @@ def _reduce_bucket(graph, plan, replication, bucket, devices, readers, collectiv
         for g, d, piece, item in zip(grads, dense, pieces, bucket):
           new = tf.reshape(piece, tf.shape(d) if not d.shape.is_fully_defined() else d.shape)
           original = item["grad"]
-          first = _one_grad(replication, c, original, 0)    # what the apply ops read now
+          first = _one_grad(clones, c, original, 0)    # what the apply ops read now
           if isinstance(original, tf.IndexedSlices):
-            _rewire_sparse_as_dense(replication, c, original, first, new, readers)
+            _rewire_sparse_as_dense(clones, c, original, first, new, readers)
           else:
-            _rewire(_copy_consumers(replication, c, original, readers), first, new)
+            rewire(first, new, _copy_consumers(clones, c, original, readers))
   report.buckets.append([item["var"].name for item in bucket])
 
 
-def _copy_consumers(replication, c, original, readers):
+def _copy_consumers(clones, c, original, readers):
   """The apply ops of copy ``c`` that read ``original``'s copy."""
-  return [replication.op(c, op) for op in readers[original]]
+  return [clones.op(c, op) for op in readers[original]]
 
 
-def _rewire_sparse_as_dense(replication, c, original, g, dense_new, readers):
+def _rewire_sparse_as_dense(clones, c, original, g, dense_new, readers):
   rows = tf.shape(dense_new, out_type=g.indices.dtype)[0]
-  _rewire(_copy_consumers(replication, c, original.values, readers), g.values, dense_new)
-  _rewire(_copy_consumers(replication, c, original.indices, readers), g.indices,
-          tf.range(rows))
+  rewire(g.values, dense_new, _copy_consumers(clones, c, original.values, readers))
+  rewire(g.indices, tf.range(rows), _copy_consumers(clones, c, original.indices, readers))
 
 
-def _gather_sparse(graph, plan, replication, grad, var_op, tg, readers, collectives,
-                     report):
-  n = plan.num_copies
-  devices = [plan.device_of(c, tg) for c in range(n)]
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+def _gather_sparse(ctx, clones, grad, var_op, tg, readers, report):
+  n, plan = ctx.worker.num_copies, ctx.plan
+  method = plan.communication.reduce_method
+  devices = [ctx.worker.device_of(c, tg) for c in range(n)]
+  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
-    firsts = [_one_grad(replication, c, grad, 0) for c in range(n)]
+    firsts = [_one_grad(clones, c, grad, 0) for c in range(n)]
     accumulated = []
     for c in range(n):
       with tf.device(devices[c]):
-        accumulated.append(_copy_grad(replication, c, grad, plan.reduce_method))
+        accumulated.append(_copy_grad(clones, c, grad, method))
     values = [a.values for a in accumulated]
     indices = [a.indices for a in accumulated]
-    gathered_values = collectives.all_gather(values, devices, group=plan.group_of(tg))
-    gathered_indices = collectives.all_gather(indices, devices, group=plan.group_of(tg))
+    gathered_values = ctx.collectives.all_gather(values, devices, group=plan.group_of(tg))
+    gathered_indices = ctx.collectives.all_gather(indices, devices, group=plan.group_of(tg))
     report.collective_ops.extend(t.op for t in gathered_values + gathered_indices)
     for c in range(n):
       with tf.device(devices[c]):
         new_values = gathered_values[c]
-        if plan.reduce_method == "mean":
+        if method == "mean":
           new_values = new_values / tf.cast(plan.total_copies, new_values.dtype)
-      _rewire(_copy_consumers(replication, c, grad.values, readers), firsts[c].values,
-              new_values)
-      _rewire(_copy_consumers(replication, c, grad.indices, readers), firsts[c].indices,
-              gathered_indices[c])
+      rewire(firsts[c].values, new_values, _copy_consumers(clones, c, grad.values, readers))
+      rewire(firsts[c].indices, gathered_indices[c],
+             _copy_consumers(clones, c, grad.indices, readers))
   report.gathered.append(var_op.name)

@@ -1,16 +1,25 @@
 """Micro-batch clone pass: each model copy runs its forward + backward once per micro-batch.
 
-Expects: the ``Replication`` of the replica pass and ``pipeline.num_micro_batch`` M > 1.
+Expects: the ``replicate`` result and ``pipeline.num_micro_batch`` M > 1 in the plan.
 Adds, for every copy c and micro-batch m >= 1, a clone of the copy's compute ops (forward and
 backward phases; not the apply ops, not the variables) under ``EPL_MB_<m>_R_<c>/``: it reads
 its own batch (its own ``get_next``, or its piece of a fed batch) and copy c's variables.
-Singletons wait for every micro-batch. Fills ``replication.micro``; gradient accumulation is
-done by the gradient sync pass, the order of micro-batches by the schedule pass.
+Singletons wait for every micro-batch. Returns ``MicroBatches``; gradient accumulation is done
+by the gradient sync pass, the order of micro-batches by the schedule pass.
 """
-from epl import _tf_compat as compat
-from epl.passes.clone import clone_ops
+import dataclasses
+from typing import Dict, Mapping
+
+import tensorflow.compat.v1 as tf
+
+from epl.passes.clone import clone_ops, wait_for_clones
 from epl.passes.op_tables import VARIABLE_OPS
-from epl.passes.replicate import device_function, pinned_to_host
+from epl.passes.replicate import device_function
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+  clones: Mapping[tuple, Dict[str, tf.Operation]]   # (copy, m >= 1) -> {original name: op}
 
 
 def compute_ops(analysis, phase):
@@ -19,25 +28,24 @@ def compute_ops(analysis, phase):
           if phase.get(op) != "apply" and op.type not in VARIABLE_OPS]
 
 
-def micro_batches(graph, plan, analysis, owner, phase, replication, node_cache):
+def micro_batch(ctx):
   """Runs the pass; see the module docstring."""
-  count = plan.num_micro_batch
+  count = ctx.plan.num_micro_batch
   if count == 1:
-    return
-  compute = compute_ops(analysis, phase)
+    return MicroBatches({})
+  analysis, replication = ctx.result("analyze"), ctx.result("replicate")
+  clones = ctx.clones()
+  compute = compute_ops(analysis, ctx.phase)
   compute_set = set(compute)
   rest = [op for op in analysis.cloned if op not in compute_set]
-  pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
-  for c in range(plan.num_copies):
+  out = {}
+  for c in range(ctx.worker.num_copies):
     # the copy's own non-compute ops (variables, apply ops) are shared by its micro-batches
-    own = {} if c == 0 else {t: replication.tensor(c, t) for op in rest for t in op.outputs}
+    own = {} if c == 0 else {t: clones.tensor(c, t) for op in rest for t in op.outputs}
     for m in range(1, count):
       input_map = dict(own)
       input_map.update(replication.piece_maps.get((c, m), {}))
-      replication.micro[(c, m)] = clone_ops(
-          graph, compute, "EPL_MB_%d_R_%d" % (m, c), device_function(plan, owner, c, pinned),
-          input_map, node_cache)
-  for s in analysis.singletons:
-    extra = [clones[x.name] for x in s.control_inputs if x in compute_set
-             for clones in replication.micro.values() if x.name in clones]
-    compat.add_control_inputs(s, extra)
+      out[(c, m)] = clone_ops(ctx.graph, compute, "EPL_MB_%d_R_%d" % (m, c),
+                              device_function(ctx, c), input_map, ctx.nodes)
+  wait_for_clones(analysis.singletons, list(out.values()), compute_set)
+  return MicroBatches(out)

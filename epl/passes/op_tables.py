@@ -1,4 +1,5 @@
 """Op-type tables the passes consult. Adding an op kind is one row here (and one test)."""
+import tensorflow.compat.v1 as tf
 
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp"})
 
@@ -32,3 +33,11 @@ def is_host_op(op):
   return (t in DATA_SOURCE_OPS or t.endswith("Dataset") or t.endswith("DatasetV2") or
           t.startswith("Iterator") or t in ("MakeIterator", "OneShotIterator",
                                             "AnonymousIteratorV2", "AnonymousIteratorV3"))
+
+
+def pinned_to_host(op):
+  """True if the user placed ``op`` on the host CPU (``/cpu:0``): epl keeps that."""
+  if not op.device:
+    return False
+  spec = tf.DeviceSpec.from_string(op.device)
+  return (spec.device_type or "").upper() == "CPU" and spec.device_index in (None, 0)

@@ -1,7 +1,6 @@
 """Replica clone pass: one copy of the step per (model replica, shard) on this worker.
 
-Expects: a ``ParallelPlan`` with ``num_copies`` copies, the ``StepAnalysis`` and the op ->
-TaskGraph map. Adds:
+Expects: the plan (this worker's copies) and the ``analyze`` result. Adds:
   * copy 0 = the user's own ops, placed on copy 0's devices (a lone copy of a lone TaskGraph
     is left to TF's placer, exactly as the local script);
   * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices; data sources
@@ -13,69 +12,47 @@ TaskGraph map. Adds:
 Returns a ``Replication`` record.
 """
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Mapping
 
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.clone import clone_ops
+from epl.passes.clone import clone_ops, rewire, wait_for_clones
 from epl.passes.op_tables import is_host_op
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Replication:
-  copies: List[Dict[str, tf.Operation]]   # copies[c][original op name] -> op (copy 0: itself)
-  sync_op: tf.Operation                   # None when there is a single copy
-  mirrored: Dict[str, List[tf.Operation]]  # original variable op name -> its op in every copy
+  copies: List[Dict[str, tf.Operation]]   # copies[c][original op name] -> op (copy 0: {})
+  sync_op: tf.Operation                   # None when there is nothing to sync
+  mirrored: Mapping[str, List[tf.Operation]]  # original variable op name -> op in every copy
   # (copy, micro-batch) -> {original tensor: the fed piece} for split batch placeholders
-  piece_maps: Dict[tuple, dict] = dataclasses.field(default_factory=dict)
-  # (copy, micro-batch >= 1) -> {original op name: clone} (the micro-batch pass fills it)
-  micro: Dict[tuple, Dict[str, tf.Operation]] = dataclasses.field(default_factory=dict)
-  num_micro_batch: int = 1
-
-  def op(self, copy, original, micro_batch=0):
-    if micro_batch:
-      return self.micro[(copy, micro_batch)].get(original.name)
-    return original if copy == 0 else self.copies[copy].get(original.name)
-
-  def tensor(self, copy, original, micro_batch=0):
-    op = self.op(copy, original.op, micro_batch)
-    return None if op is None else op.outputs[original.value_index]
+  piece_maps: Mapping[tuple, dict] = dataclasses.field(default_factory=dict)
 
 
-def pinned_to_host(op):
-  """True if the user placed ``op`` on the host CPU (``/cpu:0``): epl keeps that."""
-  if not op.device:
-    return False
-  spec = tf.DeviceSpec.from_string(op.device)
-  return (spec.device_type or "").upper() == "CPU" and spec.device_index in (None, 0)
+def device_function(ctx, copy):
+  """op -> the device of its clone in local copy ``copy`` (the user's own host placements
+  and the input pipeline stay where they are)."""
+  owner, worker = ctx.owner, ctx.worker
+  pinned = ctx.result("analyze").pinned
 
-
-def device_function(plan, owner, copy, pinned=frozenset()):
   def device(op):
     if is_host_op(op) or op in pinned:
       return op.device
     t = owner.get(op)
-    return plan.device_of(copy, t) if t is not None else op.device
+    return worker.device_of(copy, t) if t is not None else op.device
   return device
 
 
-def _rewire(tensor, new_tensor, consumers_in):
-  for consumer in list(tensor.consumers()):
-    if consumer in consumers_in:
-      for i, inp in enumerate(consumer.inputs):
-        if inp is tensor:
-          compat.update_input(consumer, i, new_tensor)
-
-
-def replicate(graph, plan, analysis, owner, node_cache, collectives):
+def replicate(ctx):
   """Runs the pass; see the module docstring."""
-  pinned = frozenset(op for op in analysis.cloned if pinned_to_host(op))
-  n, k, m_count = plan.num_copies, plan.shards, plan.num_micro_batch
+  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
+  analysis = ctx.result("analyze")
+  n, k, m_count = worker.num_copies, plan.shards, plan.num_micro_batch
   if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or m_count > 1:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
-    place_copy0 = device_function(plan, owner, 0, pinned)
+    place_copy0 = device_function(ctx, 0)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))
   cloned = list(analysis.cloned)
@@ -85,26 +62,25 @@ def replicate(graph, plan, analysis, owner, node_cache, collectives):
     pieces_needed = n * m_count
     for ph in analysis.split_placeholders if pieces_needed > 1 else ():
       # a fed batch is this worker's whole step: one piece per (copy, micro-batch)
-      with tf.device(plan.host):
+      with tf.device(worker.host):
         pieces = tf.split(ph.outputs[0], pieces_needed, axis=0, name="epl_split/" + ph.name)
-      _rewire(ph.outputs[0], pieces[0], members)
+      rewire(ph.outputs[0], pieces[0], members)
       for c in range(n):
         for m in range(m_count):
           if c or m:
             base_map.setdefault((c, m), {})[pieces[0]] = pieces[c * m_count + m]
   if n == 1:
     mirrored = {v.name: [v] for v in analysis.mirrored}
-    sync_op = _build_sync(graph, plan, owner, mirrored, collectives) \
-        if plan.worker_num > 1 else None
-    return Replication([{}], sync_op, mirrored, base_map, num_micro_batch=m_count)
+    sync_op = _build_sync(ctx, mirrored) if plan.worker_num > 1 else None
+    return Replication([{}], sync_op, mirrored, base_map)
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
     source_splits = []                            # (split op, source op) for shards > 1
     if k > 1:
       for src in analysis.sources:
         for t in src.outputs:
-          with tf.device(plan.host):
+          with tf.device(worker.host):
             pieces = tf.split(t, k, axis=0, name="epl_shard/%s_%d" % (src.name, t.value_index))
-          _rewire(t, pieces[0], members)
+          rewire(t, pieces[0], members)
           source_splits.append((pieces[0].op, src))
       cloned += [s for s, _ in source_splits]
 
@@ -119,17 +95,12 @@ def replicate(graph, plan, analysis, owner, node_cache, collectives):
       for split_op, _ in source_splits:
         replica_split = split_op if r == 0 else copies[r * k][split_op.name]
         input_map[split_op.outputs[0]] = replica_split.outputs[j]
-    copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(plan, owner, c, pinned),
-                            input_map, node_cache))
+    copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(ctx, c),
+                            input_map, ctx.nodes))
 
-  for s in analysis.singletons:                 # run once, after every copy
-    extra = [copies[c][x.name] for x in s.control_inputs if x in members
-             for c in range(1, n) if x.name in copies[c]]
-    compat.add_control_inputs(s, extra)
-
+  wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
-  sync_op = _build_sync(graph, plan, owner, mirrored, collectives)
-  return Replication(copies, sync_op, mirrored, base_map, num_micro_batch=m_count)
+  return Replication(copies, _build_sync(ctx, mirrored), mirrored, base_map)
 
 
 def _read(var_op):
@@ -146,27 +117,28 @@ def _assign(var_op, value):
   return tf.assign(var_op.outputs[0], value, validate_shape=False).op
 
 
-def _build_sync(graph, plan, owner, mirrored, collectives):
+def _build_sync(ctx, mirrored):
   """One op that makes every copy's mirrored variables equal to worker 0's copy 0.
 
   Across workers the values travel in one broadcast per (TaskGraph, dtype); inside a worker
   copy 0's values are assigned to the other copies.
   """
+  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
   groups = {}
   for name in sorted(mirrored):
     ops = mirrored[name]
-    groups.setdefault((owner[ops[0]], ops[0].get_attr("dtype")), []).append(ops)
+    groups.setdefault((ctx.owner[ops[0]], ops[0].get_attr("dtype")), []).append(ops)
   assigns = []
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_sync_replicas"):
     for (tg, _), var_groups in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-      device = var_groups[0][0].device or plan.device_of(0, tg)
+      device = var_groups[0][0].device or worker.device_of(0, tg)
       with tf.device(device):
         values = [_read(ops[0]) for ops in var_groups]
         if plan.worker_num > 1:
-          values = _broadcast_from_worker0(plan, tg, device, values, collectives)
+          values = _broadcast_from_worker0(ctx, tg, device, values)
           assigns += [v.op for v in values]         # the root must take part too
-          if plan.client_group(tg)[1] != 0:
+          if worker.client_group(tg)[1] != 0:
             assigns += [_assign(ops[0], v) for ops, v in zip(var_groups, values)]
       for ops, value in zip(var_groups, values):
         for copy_op in ops[1:]:
@@ -175,10 +147,10 @@ def _build_sync(graph, plan, owner, mirrored, collectives):
     return tf.group(*assigns, name="sync")
 
 
-def _broadcast_from_worker0(plan, tg, device, values, collectives):
+def _broadcast_from_worker0(ctx, tg, device, values):
   """Worker 0's values of one variable group, on every worker (one fused broadcast)."""
-  group, me = plan.client_group(tg)                    # copy 0 of each client worker
+  group, me = ctx.worker.client_group(tg)               # copy 0 of each client worker
   flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
-  flat = collectives.broadcast(flat, group[me], group, root=0)
+  flat = ctx.collectives.broadcast(flat, group[me], group, root=0)
   sizes = [v.shape.num_elements() for v in values]
   return [tf.reshape(p, v.shape) for p, v in zip(tf.split(flat, sizes), values)]

@@ -1,40 +1,46 @@
-"""Schedule pass: turn a pipeline schedule (epl.plan.schedule) into control dependencies.
+"""Schedule pass: turn the plan's pipeline schedule into control dependencies.
 
-Expects: micro-batch clones (``replication.micro``) and the op -> (TaskGraph, phase) maps.
-For every copy and stage, the stage's actions (``F<m>``: forward ops of that stage for
-micro-batch m, ``B<m>``: its backward ops) run in the schedule's order: a NoOp marks the end
-of each action and the first ops of the next action wait for it. With one stage this is
-gradient accumulation: micro-batches run one after another (PreferBackward: F0 B0 F1 B1 ...),
-so activations of one micro-batch are alive at a time. Returns {(copy, stage): [(action, ops)]}
-for tests and the timeline tool.
+Expects: the micro-batch clones and ``plan.schedule`` (per stage, actions like ``F3``: forward
+ops of that stage for micro-batch 3, ``B3``: its backward ops). For every copy and stage, the
+stage's actions run in the schedule's order: a NoOp marks the end of each action and the
+first ops of the next action wait for it. With one stage this is gradient accumulation:
+micro-batches run one after another (PreferBackward: F0 B0 F1 B1 ...), so activations of one
+micro-batch are alive at a time. Returns ``Schedule``: {(copy, stage): [(action, ops)]} for
+tests and the timeline tool.
 """
+import dataclasses
+from typing import List, Mapping, Tuple
+
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.passes.micro_batch import compute_ops
-from epl.plan.schedule import make_schedule
 
 
-def apply_schedule(graph, plan, analysis, owner, phase, replication):
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  placed: Mapping[Tuple[int, int], List[Tuple[str, list]]]
+
+
+def schedule(ctx):
   """Runs the pass; see the module docstring."""
+  plan = ctx.plan
   if plan.num_micro_batch == 1:
-    return {}
-  stages = len(plan.taskgraphs)
-  schedule = make_schedule(plan.pipeline_strategy, stages, plan.num_micro_batch)
-  compute = compute_ops(analysis, phase)
+    return Schedule({})
+  clones = ctx.clones()
   by_action = {}
-  for op in compute:
-    kind = "F" if phase.get(op) == "forward" else "B"
-    by_action.setdefault((owner[op], kind), []).append(op)
+  for op in compute_ops(ctx.result("analyze"), ctx.phase):
+    kind = "F" if ctx.phase.get(op) == "forward" else "B"
+    by_action.setdefault((ctx.owner[op], kind), []).append(op)
   placed = {}
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
-    for c in range(plan.num_copies):
-      for s in range(stages):
+  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
+    for c in range(ctx.worker.num_copies):
+      for s, actions_of_stage in enumerate(plan.schedule):
         previous_done = None
         actions = []
-        for action in schedule[s]:
-          ops = [replication.op(c, op, action.micro_batch)
-                 for op in by_action.get((s, action.kind), ())]
+        for action in actions_of_stage:
+          kind, m = action[0], int(action[1:])
+          ops = [clones.op(c, op, m) for op in by_action.get((s, kind), ())]
           ops = [op for op in ops if op is not None]
           if not ops:
             continue
@@ -44,8 +50,8 @@ def apply_schedule(graph, plan, analysis, owner, phase, replication):
               if not any(i.op in members for i in op.inputs) and \
                   not any(x in members for x in op.control_inputs):
                 compat.add_control_inputs(op, [previous_done])
-          with tf.device(plan.device_of(c, s)):
+          with tf.device(ctx.worker.device_of(c, s)):
             previous_done = tf.group(*ops, name="epl_schedule/c%d_s%d_%s" % (c, s, action))
-          actions.append((str(action), ops))
+          actions.append((action, ops))
         placed[(c, s)] = actions
-  return placed
+  return Schedule(placed)

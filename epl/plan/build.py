@@ -1,105 +1,61 @@
-"""Build a ``ParallelPlan`` from the user's annotations, and validate it before any rewrite.
+"""Build the job's ``ParallelPlan`` from the user's annotations, and validate it first.
 
-Attribution rule (which TaskGraph an op joins):
-  1. forward ops (created outside gradient and optimizer calls): ``Recorder.taskgraph_of``;
-  2. backward ops (created inside ``tf.gradients``/``compute_gradients``) and apply ops
-     (created inside ``apply_gradients``): the TaskGraph of the op they are colocated with
-     (epl forces ``colocate_gradients_with_ops=True``; optimizers colocate updates with their
-     variable); failing that, the TaskGraph of their first input (data, then control) that
-     has one; failing that, of their first consumer (data, then control) that has one;
-     failing that, the last TaskGraph.
+Nothing here edits the graph: the plan records, by name, what the passes will build
+(``epl.plan.attribution`` says which TaskGraph and phase each op joins).
 """
-import bisect
+import tensorflow.compat.v1 as tf
 
-from epl import _tf_compat as compat
 from epl.annotate import SPLIT
 from epl.errors import NotImplementedYetError, PlanError
-from epl.plan.plan import PHASES, ParallelPlan, TaskGraphPlan
+from epl.plan.attribution import attribute_ops
+from epl.plan.placement import Replicate
+from epl.plan.plan import PHASES, Communication, Copy, Gradient, ParallelPlan, TaskGraphPlan
+from epl.plan.schedule import make_schedule
 
 
-def _phase_of_ids(recorder):
-  """Returns a function op rank -> phase from the recorded (possibly nested) intervals."""
-  intervals = sorted(recorder.phase_intervals, key=lambda iv: (iv[0], -iv[1]))
-  if not intervals:
-    return lambda op_id: "forward"
-  starts = [iv[0] for iv in intervals]
-
-  def phase(op_id):
-    # The innermost interval containing op_id: scan back from the last start <= op_id.
-    i = bisect.bisect_right(starts, op_id) - 1
-    while i >= 0:
-      first, last, name = intervals[i]
-      if first <= op_id <= last:
-        return name
-      i -= 1
-    return "forward"
-  return phase
+def communication(config):
+  c = config.communication
+  return Communication(c.gradients_reduce_method, c.max_splits, c.sparse_as_dense,
+                       c.clip_after_allreduce, c.collective_timeout)
 
 
-def attribute_ops(graph, recorder, upto_version):
-  """Returns ({op: taskgraph index}, {op: phase}) for the first ``upto_version`` ops.
-
-  The recorder speaks in ``graph.version`` (the op count when an event happened); the i-th
-  op created has rank i, so ranks compare with recorded versions whatever ids TF assigns.
-  """
-  ops = sorted(graph.get_operations(), key=compat.op_id)[:upto_version]
-  rank = {op: i + 1 for i, op in enumerate(ops)}
-  phase_fn = _phase_of_ids(recorder)
-  phase = {op: phase_fn(rank[op]) for op in ops}
-  owner = {}
-  for op in ops:
-    if phase[op] == "forward":
-      owner[op] = recorder.taskgraph_of(rank[op])
-  by_name = {op.name: op for op in ops}
-  pending = [op for op in ops if op not in owner]
-  for op in pending:        # ops are in creation order, so inputs are usually decided first
-    owner[op] = _from_colocation(op, by_name, owner)
-    if owner[op] is None:
-      sources = [t.op for t in op.inputs] + list(op.control_inputs)
-      owner[op] = next((owner[x] for x in sources if owner.get(x) is not None), None)
-  last = len(recorder.specs) - 1
-  for op in pending:
-    if owner[op] is None:
-      users = [c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op)
-      owner[op] = next((owner[c] for c in users if owner.get(c) is not None), last)
-  return owner, phase
-
-
-def _from_colocation(op, by_name, owner):
-  for group in op.colocation_groups():
-    name = group.decode()[len("loc:@"):] if isinstance(group, bytes) else group[5:]
-    target = by_name.get(name)
-    if target is not None and target is not op and owner.get(target) is not None:
-      return owner[target]
-  return None
-
-
-def build_plan(graph, recorder, config, cluster, upto_version):
-  """Returns (ParallelPlan, {op: taskgraph}, {op: phase}).
+def build_plan(graph, recorder, config, cluster, upto_version=None):
+  """Returns the ParallelPlan of ``graph``'s first ``upto_version`` ops (default: all).
 
   Raises:
     PlanError: the annotations do not fit the devices (message names scope and numbers).
     NotImplementedYetError: a strategy this version does not build (split, mixed shards).
   """
   common = dict(num_micro_batch=config.pipeline.num_micro_batch,
-                pipeline_strategy=config.pipeline.strategy, host=cluster.host(cluster.worker_index),
-                reduce_method=config.communication.gradients_reduce_method,
-                max_splits=config.communication.max_splits,
-                sparse_as_dense=config.communication.sparse_as_dense,
-                collective_timeout=config.communication.collective_timeout,
-                worker_num=cluster.worker_num, worker_index=cluster.worker_index,
-                hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)))
+                pipeline_strategy=config.pipeline.strategy,
+                hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)),
+                communication=communication(config), has_gpu=cluster.has_gpu)
   if not recorder.specs:
-    return ParallelPlan((), 1, 1, devices=(), **common), {}, {}
-  owner, phase = attribute_ops(graph, recorder, upto_version)
+    return ParallelPlan((), (), 1, schedule=(), **common)
+  upto = graph.version if upto_version is None else upto_version
+  owner, phase = attribute_ops(graph, recorder, upto)
   used = sorted({t for t in owner.values() if t is not None})
   renumber = {old: new for new, old in enumerate(used)}
   specs = [recorder.specs[i] for i in used]
   per_tg = {new: {p: [] for p in PHASES} for new in range(len(specs))}
   for op, t in owner.items():
-    owner[op] = renumber[t]
-    per_tg[owner[op]][phase[op]].append(op.name)
+    per_tg[renumber[t]][phase[op]].append(op.name)
+  counts = _check_devices(specs, config, cluster)
+  tgs = tuple(TaskGraphPlan(i, s.name, Replicate(counts[i]), s.location,
+                            {p: tuple(per_tg[i][p]) for p in PHASES})
+              for i, s in enumerate(specs))
+  copies = _layout(counts, cluster)
+  schedule = make_schedule(config.pipeline.strategy, len(tgs), config.pipeline.num_micro_batch)
+  return ParallelPlan(
+      tgs, copies, counts[0],
+      schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
+      gradients=_gradients(recorder), shared_variables=tuple(sorted(
+          v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
+      **common)
 
+
+def _check_devices(specs, config, cluster):
+  """Devices per replica of each TaskGraph; raises when the annotations do not fit."""
   for spec in specs:
     if spec.kind == SPLIT:
       raise NotImplementedYetError(
@@ -121,7 +77,6 @@ def build_plan(graph, recorder, config, cluster, upto_version):
     raise NotImplementedYetError(
         "pipeline.num_micro_batch > 1 with replicate(device_count > 1) is not implemented yet "
         "in epl; use device_count=1 per stage")
-  shards = counts[0]
   per_replica = sum(counts)
   total = devices_here * cluster.worker_num
   detail = " + ".join("%s: %d" % (s.name, k) for s, k in zip(specs, counts))
@@ -130,31 +85,45 @@ def build_plan(graph, recorder, config, cluster, upto_version):
         "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
-  if per_replica > devices_here and (total % per_replica or shards > 1):
+  if per_replica > devices_here and (total % per_replica or counts[0] > 1):
     raise PlanError(
         "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
         "device(s) are not a multiple of it%s" % (
             per_replica, detail, devices_here, total,
-            "" if shards == 1 else " (device_count > 1 cannot span workers)"))
-  # Replicas fill the job's devices in order (worker-major): a replica that fits in a worker
-  # stays inside it; a larger one spans consecutive workers, and the worker holding its first
-  # device is its client.
+            "" if counts[0] == 1 else " (device_count > 1 cannot span workers)"))
+  return counts
+
+
+def _layout(counts, cluster):
+  """Every copy of the job. Replicas fill the job's devices in order (worker-major): a
+  replica that fits in a worker stays inside it; a larger one spans consecutive workers, and
+  the worker holding its first device is its client."""
+  shards, per_replica = counts[0], sum(counts)
   every_device = cluster.all_devices()
-  layout = []                                  # (client worker, devices[taskgraph]) per copy
-  for r in range(total // per_replica):
+  devices_here = cluster.gpu_num_per_worker
+  copies = []
+  for r in range(len(every_device) // per_replica):
     base = r * per_replica
     for j in range(shards):
-      layout.append((base // devices_here, tuple(
-          (every_device[base + t * shards + j],) for t in range(len(specs)))))
-  mine = tuple(devs for client, devs in layout if client == cluster.worker_index)
-  clients = []
-  for index, (client, _) in enumerate(layout):
-    if not clients or clients[-1][0] != client:
-      clients.append((client, index))
-  peers = tuple(tuple(devs[t][0] for _, devs in layout) for t in range(len(specs)))
-  tgs = tuple(TaskGraphPlan(i, s.name, s.kind, counts[i], s.location,
-                            {p: tuple(per_tg[i][p]) for p in PHASES})
-              for i, s in enumerate(specs))
-  plan = ParallelPlan(tgs, len(mine) // shards, shards, devices=mine, peer_devices=peers,
-                      clients=tuple(clients), **common)
-  return plan, owner, phase
+      copies.append(Copy(r, j, base // devices_here, tuple(
+          (every_device[base + t * shards + j],) for t in range(len(counts)))))
+  return tuple(copies)
+
+
+def _gradients(recorder):
+  """The (gradient, variable) pairs the optimizers saw, by name, one per variable."""
+  out, seen = [], set()
+  for grad, var in recorder.grads_and_vars:
+    if grad is None or var.op.name in seen:
+      continue
+    seen.add(var.op.name)
+    names = _tensor_names(grad)
+    out.append(Gradient(var.op.name, names, names))
+  return tuple(out)
+
+
+def _tensor_names(grad):
+  if isinstance(grad, tf.IndexedSlices):
+    shape = grad.dense_shape.name if grad.dense_shape is not None else ""
+    return (grad.values.name, grad.indices.name, shape)
+  return (grad.name,)

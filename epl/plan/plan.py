@@ -1,130 +1,234 @@
-"""``ParallelPlan``: one frozen, printable description of the parallel job.
+"""``ParallelPlan``: the whole job's plan -- one frozen, printable, JSON-round-trippable value.
 
-Manual annotations (``epl.plan.build``) and, later, the automatic planner produce this same
-type; every pass receives it as an argument. It round-trips through JSON (``to_json`` /
-``from_json``) so a plan can be dumped, inspected and reloaded.
+The plan is the complete input of the rewrite besides the user's graph: which TaskGraph and
+phase every op belongs to (by op name), each TaskGraph's typed placement, every model copy of
+the job with its devices, the pipeline schedule as data, the gradients to synchronise (by
+tensor name) and the communication settings. Manual annotations (``epl.plan.build``) and the
+automatic planner produce this same type; ``ParallelPlan.from_json(plan.to_json())`` drives an
+identical rewrite. A worker's own part is derived from it: ``plan.for_worker(i)``.
+
+Example:
+  >>> plan.for_worker(0).num_copies
+  2
+  >>> print(plan)                       # a few lines per TaskGraph
 """
 import dataclasses
+import functools
 import json
-from typing import Dict, Tuple
+import re
+from typing import Dict, Mapping, Tuple
+
+from epl.plan.placement import Placement, placement_from_dict
 
 PHASES = ("forward", "backward", "apply")
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskGraphPlan:
-  """One TaskGraph: the ops it owns (by phase) and where each model replica places it."""
+  """One TaskGraph: its placement and the ops it owns (by phase, names of the user's graph)."""
   index: int
   name: str
-  kind: str                      # "replicate" or "split"
-  device_count: int
-  location: str                  # where the user opened the scope
-  ops: Dict[str, Tuple[str, ...]]  # phase -> op names (the user's graph, before rewriting)
+  placement: Placement
+  location: str                         # where the user opened the scope
+  ops: Mapping[str, Tuple[str, ...]]    # phase -> op names
 
   def op_count(self, phase):
     return len(self.ops.get(phase, ()))
 
   def __str__(self):
     counts = ", ".join("%s %d" % (p, self.op_count(p)) for p in PHASES)
-    return "TaskGraph %d %r: %s(device_count=%d) [%s]" % (
-        self.index, self.name, self.kind, self.device_count, counts)
+    return "TaskGraph %d %r: %s [%s]" % (self.index, self.name, self.placement, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """One model copy: shard ``shard`` of replica ``replica``, driven by worker ``client``.
+
+  ``devices[t]`` lists the devices that copy's TaskGraph ``t`` runs on (one for a replicated
+  TaskGraph).
+  """
+  replica: int
+  shard: int
+  client: int
+  devices: Tuple[Tuple[str, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradient:
+  """A gradient the user's step computes for a variable (tensor names of the user's graph).
+
+  ``tensors`` is ``(dense,)`` or ``(values, indices, dense_shape)`` for IndexedSlices;
+  ``applied`` the same for the gradient handed to ``apply_gradients`` (empty when unknown).
+  """
+  variable: str
+  tensors: Tuple[str, ...]
+  applied: Tuple[str, ...] = ()
+
+  @property
+  def sparse(self):
+    return len(self.tensors) == 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+  """How gradients and merged fetches travel (``communication.*`` keys)."""
+  reduce_method: str = "mean"
+  max_splits: int = 5
+  sparse_as_dense: bool = False
+  clip_after_allreduce: bool = True
+  timeout: int = 300            # seconds a step with collectives may run
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-  """The whole job's plan on this worker.
+  """The whole job's plan (see the module docstring).
 
-  ``devices[c][t]`` lists the devices of TaskGraph ``t`` in model copy ``c``; a model copy is
-  one (replica, shard) pair: ``c = replica * shards + shard``. Shards exist when a
-  ``replicate(device_count=k)`` splits each replica's batch over k devices.
+  ``copies`` lists every model copy of the job in global order (replica-major, then shard);
+  ``hosts[w]`` is worker w's host device; ``schedule[s]`` the actions (``"F0"``, ``"B0"``...)
+  of stage s in one step.
   """
   taskgraphs: Tuple[TaskGraphPlan, ...]
-  num_replicas: int              # model replicas on this worker
-  shards: int                    # devices that split one replica's batch (k)
+  copies: Tuple[Copy, ...]
+  shards: int
   num_micro_batch: int
   pipeline_strategy: str
-  devices: Tuple[Tuple[Tuple[str, ...], ...], ...]
-  host: str
-  reduce_method: str             # "mean" or "sum"
-  max_splits: int
-  sparse_as_dense: bool
-  collective_timeout: int
-  worker_num: int = 1
-  worker_index: int = 0
-  peer_devices: Tuple[Tuple[str, ...], ...] = ()   # per TaskGraph: its device in every copy
-                                                    # of every worker (worker-major)
-  hosts: Tuple[str, ...] = ()                       # host device of every worker
-  clients: Tuple[Tuple[int, int], ...] = ()         # (worker, its first copy's global index)
-                                                    # for every worker that drives copies
+  schedule: Tuple[Tuple[str, ...], ...]
+  hosts: Tuple[str, ...]
+  gradients: Tuple[Gradient, ...] = ()
+  shared_variables: Tuple[str, ...] = ()      # run once per step (global_step)
+  communication: Communication = Communication()
+  has_gpu: bool = False
 
-  @property
-  def num_copies(self):
-    """Model copies on this worker."""
-    return self.num_replicas * self.shards
-
-  @property
-  def total_copies(self):
-    """Model copies in the whole job."""
-    return len(self.peer_devices[0]) if self.peer_devices else self.num_copies
-
-  @property
-  def serve_only(self):
-    """True on a worker that holds no model replica's first stage: it only serves."""
-    return not self.is_local and self.num_copies == 0
-
-  def client_group(self, taskgraph):
-    """Copy 0 of ``taskgraph`` on every client worker (broadcast group), and my position."""
-    group = tuple(self.group_of(taskgraph)[i] for _, i in self.clients) if self.clients \
-        else (self.device_of(0, taskgraph),)
-    workers = [w for w, _ in self.clients] or [self.worker_index]
-    return group, workers.index(self.worker_index)
-
-  def remote_tasks(self):
-    """Tasks (other than this one) whose devices this worker's copies use."""
-    import re
-    tasks = {int(m) for copy in self.devices for devs in copy for d in devs
-             for m in re.findall(r"/task:(\d+)", d)}
-    return sorted(tasks - {self.worker_index})
-
-  def group_of(self, taskgraph):
-    """Every device that holds ``taskgraph`` in the job (all workers), for collectives."""
-    return self.peer_devices[taskgraph] if self.peer_devices else tuple(
-        self.device_of(c, taskgraph) for c in range(self.num_copies))
-
+  # ---- the job -------------------------------------------------------------------------
   @property
   def is_local(self):
     """True when there is nothing to rewrite (no annotation)."""
     return not self.taskgraphs
 
-  def device_of(self, copy, taskgraph):
-    """The device of ``taskgraph`` in model copy ``copy``."""
-    return self.devices[copy][taskgraph][0]
+  @property
+  def worker_num(self):
+    return max(1, len(self.hosts))
 
+  @property
+  def total_copies(self):
+    return len(self.copies) or 1
+
+  @property
+  def clients(self):
+    """Workers that drive at least one copy, in order."""
+    return tuple(sorted({c.client for c in self.copies}))
+
+  def group_of(self, taskgraph):
+    """The device of ``taskgraph`` in every copy of the job (collective groups)."""
+    return tuple(c.devices[taskgraph][0] for c in self.copies)
+
+  @functools.cached_property
+  def op_index(self) -> Dict[str, Tuple[int, str]]:
+    """{op name: (TaskGraph index, phase)} (computed once per plan)."""
+    return {name: (t.index, phase) for t in self.taskgraphs
+            for phase, names in t.ops.items() for name in names}
+
+  def for_worker(self, index):
+    """This worker's part of the plan."""
+    return WorkerView(self, index)
+
+  # ---- serialisation -------------------------------------------------------------------
   def to_json(self):
-    return json.dumps(dataclasses.asdict(self), sort_keys=True)
+    return json.dumps(_plain(self), sort_keys=True)
 
   @classmethod
   def from_json(cls, text):
     raw = json.loads(text)
-    raw["taskgraphs"] = tuple(
-        TaskGraphPlan(**dict(t, ops={p: tuple(n) for p, n in t["ops"].items()}))
-        for t in raw["taskgraphs"])
-    raw["devices"] = tuple(tuple(tuple(d) for d in copy) for copy in raw["devices"])
-    raw["peer_devices"] = tuple(tuple(d) for d in raw.get("peer_devices", ()))
-    raw["hosts"] = tuple(raw.get("hosts", ()))
-    raw["clients"] = tuple(tuple(c) for c in raw.get("clients", ()))
+    raw["taskgraphs"] = tuple(TaskGraphPlan(
+        t["index"], t["name"], placement_from_dict(t["placement"]), t["location"],
+        {p: tuple(n) for p, n in sorted(t["ops"].items())}) for t in raw["taskgraphs"])
+    raw["copies"] = tuple(Copy(c["replica"], c["shard"], c["client"],
+                               tuple(tuple(d) for d in c["devices"])) for c in raw["copies"])
+    raw["schedule"] = tuple(tuple(s) for s in raw["schedule"])
+    raw["hosts"] = tuple(raw["hosts"])
+    raw["gradients"] = tuple(Gradient(g["variable"], tuple(g["tensors"]), tuple(g["applied"]))
+                             for g in raw["gradients"])
+    raw["shared_variables"] = tuple(raw["shared_variables"])
+    raw["communication"] = Communication(**raw["communication"])
     return cls(**raw)
 
   def __str__(self):
     if self.is_local:
       return "ParallelPlan(local: no annotation, one replica as in the local script)"
-    lines = ["ParallelPlan: %d replica(s) x %d shard(s) on this worker, %d worker(s), "
-             "micro-batches %d, gradients reduced by %s" % (
-                 self.num_replicas, self.shards, self.worker_num, self.num_micro_batch,
-                 self.reduce_method)]
+    replicas = len({c.replica for c in self.copies})
+    lines = ["ParallelPlan: %d worker(s), %d model replica(s) x %d shard(s), %d micro-batch(es)"
+             "%s, gradients %s" % (
+                 self.worker_num, replicas, self.shards, self.num_micro_batch,
+                 " (%s)" % self.pipeline_strategy if self.num_micro_batch > 1 else "",
+                 self.communication.reduce_method)]
     for t in self.taskgraphs:
       lines.append("  " + str(t))
-      for c in range(self.num_copies):
-        lines.append("    copy %d (replica %d, shard %d): %s" % (
-            c, c // self.shards, c % self.shards, ", ".join(self.devices[c][t.index])))
+      for i, c in enumerate(self.copies):
+        lines.append("    copy %d (replica %d, shard %d, worker %d): %s" % (
+            i, c.replica, c.shard, c.client, ", ".join(c.devices[t.index])))
     return "\n".join(lines)
+
+
+def _plain(value):
+  """A JSON-able view of plan values (placements carry their kind)."""
+  if dataclasses.is_dataclass(value):
+    out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Placement):
+      out["kind"] = value.kind
+    return out
+  if isinstance(value, Mapping):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (tuple, list)):
+    return [_plain(v) for v in value]
+  return value
+
+
+_TASK = re.compile(r"/task:(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerView:
+  """One worker's view of a ``ParallelPlan``: the copies it drives (local copy c is
+  ``copies[c]``) and its host."""
+  plan: ParallelPlan
+  index: int
+
+  @property
+  def copies(self):
+    return tuple(c for c in self.plan.copies if c.client == self.index)
+
+  @property
+  def num_copies(self):
+    return len(self.copies)
+
+  @property
+  def num_replicas(self):
+    return len({c.replica for c in self.copies})
+
+  @property
+  def host(self):
+    return self.plan.hosts[self.index] if self.plan.hosts else "/device:CPU:0"
+
+  @property
+  def serve_only(self):
+    """True on a worker that holds no model replica's first stage: it only serves."""
+    return not self.plan.is_local and self.num_copies == 0
+
+  def device_of(self, copy, taskgraph):
+    """The device of ``taskgraph`` in local copy ``copy``."""
+    return self.copies[copy].devices[taskgraph][0]
+
+  def first_global_copy(self):
+    return next(i for i, c in enumerate(self.plan.copies) if c.client == self.index)
+
+  def client_group(self, taskgraph):
+    """Copy 0 of ``taskgraph`` on every client worker (broadcast group), and my position."""
+    firsts = [next(c for c in self.plan.copies if c.client == w) for w in self.plan.clients]
+    group = tuple(c.devices[taskgraph][0] for c in firsts)
+    return group, list(self.plan.clients).index(self.index)
+
+  def remote_tasks(self):
+    """Tasks (other than this one) whose devices this worker's copies use."""
+    tasks = {int(m) for c in self.copies for devs in c.devices for d in devs
+             for m in _TASK.findall(d)}
+    return sorted(tasks - {self.index})

@@ -22,10 +22,11 @@ from epl.passes.op_tables import ASSIGN_OPS
 class FetchMapper:
   """Maps user fetches to merged tensors; caches per fetched element."""
 
-  def __init__(self, graph, parallel, collections, collectives):
+  def __init__(self, graph, parallel, collections):
     self.graph = graph
     self.parallel = parallel
-    self._collectives = collectives
+    self._collectives = parallel.collectives
+    self._clones = parallel.clones()
     self._cache = {}
     self._writes = {}
     self._kind_of = {}
@@ -78,10 +79,10 @@ class FetchMapper:
     kind, job_wide = self._kind_of.get(t, (None, False))
     if kind is None:
       if (t.op not in self._cloned or t.shape.rank != 0 or not t.dtype.is_floating or
-          self.parallel.num_copies * self.parallel.replication.num_micro_batch == 1):
+          self.parallel.num_copies * self._clones.num_micro_batch == 1):
         return fetch
       kind = "mean"
-    rep = self.parallel.replication
+    rep = self._clones
     copies = [rep.tensor(c, t) for c in range(self.parallel.num_copies)]
     if any(c is None for c in copies):
       return fetch
@@ -90,27 +91,27 @@ class FetchMapper:
     if micro and all(x is not None for x in micro):
       copies += micro                          # the loss is averaged over micro-batches too
     with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
-        tf.control_dependencies(None), tf.device(self.parallel.plan.host), \
+        tf.control_dependencies(None), tf.device(self.parallel.worker.host), \
         tf.name_scope("epl_merged"):
-      plan = self.parallel.plan
+      plan, host = self.parallel.plan, self.parallel.worker.host
       if kind == "concat":
         merged = tf.concat(copies, axis=0)
         if job_wide and plan.worker_num > 1:
-          merged = self._collectives.all_gather([merged], [plan.host],
+          merged = self._collectives.all_gather([merged], [host],
                                                 group=self._client_hosts())[0]
         return merged
       merged = tf.add_n(copies)
       if job_wide and plan.worker_num > 1:
-        merged = self._collectives.all_reduce([merged], [plan.host], "sum",
+        merged = self._collectives.all_reduce([merged], [host], "sum",
                                               group=self._client_hosts())[0]
-        count = plan.total_copies * (len(copies) // max(1, plan.num_copies))
+        count = plan.total_copies * (len(copies) // max(1, self.parallel.num_copies))
       else:
         count = len(copies)
       return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
 
   def _client_hosts(self):
     plan = self.parallel.plan
-    return tuple(plan.hosts[w] for w, _ in plan.clients) if plan.clients else plan.hosts
+    return tuple(plan.hosts[w] for w in plan.clients)
 
   def _writes_mirrored(self, op):
     """True if running ``op`` assigns a mirrored variable outside the step."""

@@ -96,4 +96,4 @@ def barrier(server, cluster, timeout, instance=1):
         "cluster.startup_timeout" % (cluster.worker_index, cluster.worker_num, timeout,
                                      type(e).__name__, str(e).splitlines()[0])) from None
   assert int(joined) == cluster.worker_num
-  log.info("epl: all %d workers joined in %.1f s", cluster.worker_num, time.time() - start)
+  log.debug("barrier: all %d workers joined in %.1f s", cluster.worker_num, time.time() - start)

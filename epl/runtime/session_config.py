@@ -2,7 +2,7 @@
 import tensorflow.compat.v1 as tf
 
 
-def session_config(cluster, config, user_config, remote_tasks=()):
+def session_config(cluster, plan, config, user_config, remote_tasks=()):
   """Returns a copy of ``user_config`` (or a new ConfigProto) with epl's settings.
 
   * virtual CPU devices: ``device_count["CPU"] = devices + 1`` (CPU:0 stays the host), and,
@@ -23,7 +23,7 @@ def session_config(cluster, config, user_config, remote_tasks=()):
     merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
                                               2 * cluster.gpu_num_per_worker + 2)
   merged.allow_soft_placement = True
-  if config.pipeline.num_micro_batch > 1:
+  if plan.num_micro_batch > 1:
     # Grappler's arithmetic optimizer folds the running sum of micro-batch gradients into one
     # AddN that waits for the last micro-batch, keeping all M weight gradients alive.
     from tensorflow.core.protobuf import rewriter_config_pb2

@@ -28,7 +28,7 @@ def main():
   # only the client gets here; the serving worker ended inside epl
   plan = res.parallel.plan
   np.savez(os.path.join(out, "client.npz"), __losses__=np.array(res.losses),
-           __devices__=np.array([d for copy in plan.devices for t in copy for d in t]),
+           __devices__=np.array([d for copy in plan.copies for t in copy.devices for d in t]),
            **res.variables)
 
 

@@ -48,7 +48,8 @@ def parser():
   p.add_argument("--machine_rank", type=int, default=None,
                  help="start only this worker (one host of a multi-host job)")
   p.add_argument("--log_dir", default="epl_logs", help="where every worker's log goes")
-  p.add_argument("--debug", action="store_true", help="verbose epl and TF logs")
+  p.add_argument("--debug", action="store_true",
+                 help="epl's DEBUG logs (plan, passes, collectives, barrier) and TF's own logs")
   p.add_argument("script", help="a .py runs under python, anything else under bash")
   p.add_argument("script_args", nargs=argparse.REMAINDER)
   return p
@@ -123,7 +124,7 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0):
     env["EPL_LAUNCH_WORKER_INDEX"] = str(index)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if settings.debug else "2")
     if settings.debug:
-      env["EPL_DEBUG"] = "1"
+      env["EPL_LOG_LEVEL"] = "debug"         # epl's own DEBUG logs (plan, passes, collectives)
     if gpus_on_host:
       same_host = [i for i in settings.local_ranks]
       slot = same_host.index(index)

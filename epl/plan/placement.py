@@ -1,0 +1,64 @@
+"""Typed placements of a TaskGraph, and the collective that bridges two of them.
+
+A TaskGraph is ``Replicate(devices=k)`` (each model replica runs it on k devices, splitting its
+batch k ways) or ``Split(devices=k)`` (its weights are sharded over k devices). When a tensor
+flows from a TaskGraph with one placement into a TaskGraph with another, the rewrite inserts
+the collective this table names (forward direction; its gradient flows back through the
+collective's adjoint). Split and MoE fill the Split rows; adding a transition is one row here
+and one pass rule.
+
+Example:
+  >>> bridge(Replicate(1), Split(4))
+  Bridge(forward='all_gather', backward='reduce_scatter')
+"""
+import dataclasses
+from typing import ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  devices: int = 1
+  kind: ClassVar[str] = ""
+
+  def __str__(self):
+    return "%s(device_count=%d)" % (self.kind, self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate(Placement):
+  """Data parallel: every model replica holds the whole TaskGraph."""
+  kind: ClassVar[str] = "replicate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Split(Placement):
+  """Tensor / expert parallel: the TaskGraph's weights are sharded over ``devices``."""
+  kind: ClassVar[str] = "split"
+
+
+KINDS = {cls.kind: cls for cls in (Replicate, Split)}
+
+
+def placement_from_dict(raw):
+  return KINDS[raw["kind"]](devices=raw["devices"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bridge:
+  forward: str          # collective applied to activations entering the destination
+  backward: str         # what their gradients go through on the way back
+
+
+# (source kind, destination kind) -> Bridge. Same-kind replicated TaskGraphs exchange
+# activations by TF's own send/recv (pipeline stages); nothing is inserted.
+TRANSITIONS = {
+    ("replicate", "replicate"): Bridge("send_recv", "send_recv"),
+    ("replicate", "split"): Bridge("all_gather", "reduce_scatter"),
+    ("split", "replicate"): Bridge("split_batch", "all_gather"),
+    ("split", "split"): Bridge("all_to_all", "all_to_all"),
+}
+
+
+def bridge(source, destination):
+  """The Bridge between two placements (KeyError names the unsupported pair)."""
+  return TRANSITIONS[(source.kind, destination.kind)]

@@ -1,0 +1,187 @@
+"""The engine's shape: the plan drives the rewrite, the pass list is real, no import cycle,
+modules stay small, the TF hooks are reversible."""
+import ast
+import os
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+import epl.passes
+from epl import _tf_compat as compat
+from epl.plan.build import build_plan
+from epl.plan.plan import ParallelPlan
+from epl.runtime import driver
+from tests import models
+
+EPL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "epl")
+
+
+# ---- the plan is the whole input -----------------------------------------------------------
+def _model_graph(config, model, stages):
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(1)
+    epl.init(epl.Config(config))
+    data = models.regression_data(64)
+    x, y = tf.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(data).batch(4).repeat()).get_next()
+    strategies = [lambda i=i: epl.replicate(1, name="stage_%d" % i) for i in range(stages)]
+    from epl.testing.parity import Stages
+    loss = model(x, y, Stages(strategies))
+    step = tf.train.get_or_create_global_step()
+    tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+  state = epl.Env.get()._state
+  return g, build_plan(g, state.recorder, state.config, state.cluster)
+
+
+def _nodes(graph):
+  return sorted((n.name, n.op, n.device, tuple(n.input), n.SerializeToString(deterministic=True))
+                for n in graph.as_graph_def().node)
+
+
+@pytest.mark.parametrize("config,model,stages", [
+    ({"cluster.devices_per_worker": 2}, models.mlp, 1),                          # DP
+    ({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 4},
+     models.mlp_two_stages, 2),                                                  # pipeline
+    ({"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2},
+     models.mlp_two_stages, 2),                                                  # hybrid
+], ids=["dp", "pipeline", "hybrid"])
+def test_a_reloaded_plan_drives_an_identical_rewrite(config, model, stages):
+  first, plan = _model_graph(config, model, stages)
+  second, _ = _model_graph(config, model, stages)       # the same model, built again
+  assert _nodes(first) == _nodes(second)
+  reloaded = ParallelPlan.from_json(plan.to_json())
+  assert reloaded == plan
+  driver.run_passes(first, plan, 0)
+  driver.run_passes(second, reloaded, 0)
+  assert len(first.get_operations()) > len(second.get_operations()) / 2 > 0
+  assert _nodes(first) == _nodes(second)
+
+
+def test_rewrite_runs_the_pass_list_in_its_order(monkeypatch):
+  ran = []
+
+  def recording(run):
+    def wrapper(ctx):
+      ran.append(run.__name__)
+      return run(ctx)
+    wrapper.__name__ = run.__name__
+    return wrapper
+  original = epl.passes.PASSES
+  monkeypatch.setattr(epl.passes, "PASSES", tuple(recording(p) for p in original))
+  g, plan = _model_graph({"cluster.devices_per_worker": 2}, models.mlp, 1)
+  pg = driver.run_passes(g, plan, 0)
+  assert ran == [p.__name__ for p in original]
+  assert list(pg.results) == ran
+  assert ran[0] == "analyze" and ran[-1] == "gradient_sync"
+
+
+# ---- layers ------------------------------------------------------------------------------
+def _modules():
+  out = {}
+  for root, _, files in os.walk(EPL):
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(root, f)
+        rel = os.path.relpath(path, os.path.dirname(EPL))[:-3].replace(os.sep, ".")
+        out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+  return out
+
+
+def _imports(path, modules):
+  """epl modules imported by ``path`` (module level and inside functions)."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names = [node.module] + ["%s.%s" % (node.module, a.name) for a in node.names]
+    else:
+      continue
+    for name in names:
+      while name and name not in modules:
+        name = name.rpartition(".")[0]
+      if name and name != "epl":
+        found.add(name)
+  return found
+
+
+def test_no_import_cycle_in_epl():
+  modules = _modules()
+  graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+  state, stack, cycles = {}, [], []
+
+  def visit(m):
+    state[m] = "open"
+    stack.append(m)
+    for n in sorted(graph[m]):
+      if state.get(n) == "open":
+        cycles.append(stack[stack.index(n):] + [n])
+      elif n not in state:
+        visit(n)
+    stack.pop()
+    state[m] = "done"
+  for m in sorted(graph):
+    if m not in state:
+      visit(m)
+  assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+  # below the public API nothing looks state up through epl.Env
+  def reads_env(path):
+    return any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and
+               n.value.id in ("Env", "cls") and n.attr in ("_current", "get")
+               for n in ast.walk(ast.parse(open(path).read())))
+  readers = sorted(m for m, p in modules.items() if reads_env(p))
+  assert readers == ["epl.entry", "epl.env"], readers           # (env.py defines it)
+
+
+def test_no_module_over_400_lines():
+  long = {m: n for m, p in _modules().items() if (n := len(open(p).read().splitlines())) > 400}
+  assert not long, long
+
+
+# ---- hooks -------------------------------------------------------------------------------
+def test_hooks_are_reversible():
+  from tensorflow.python.client import session
+  from tensorflow.python.training import optimizer
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config())
+  assert compat.installed() and getattr(session.BaseSession.run, "__epl_hook__", False)
+  compat.uninstall()
+  try:
+    assert not compat.installed()
+    assert not hasattr(session.BaseSession.run, "__epl_hook__")
+    assert not hasattr(optimizer.Optimizer.apply_gradients, "__epl_hook__")
+    with tf.Graph().as_default(), tf.Session() as sess:     # plain TF works as before
+      assert sess.run(tf.constant(2.0) * 3) == 6.0
+  finally:
+    with tf.Graph().as_default():
+      epl.init(epl.Config())                                  # back for the other tests
+  assert compat.installed()
+
+
+def test_config_is_immutable_and_read_in_one_place():
+  c = epl.Config({"pipeline.num_micro_batch": 2})
+  with pytest.raises(AttributeError, match="read-only"):
+    c.pipeline.num_micro_batch = 7
+  assert c.get("pipeline.num_micro_batch") == c.pipeline.num_micro_batch == 2
+  with pytest.raises(AttributeError, match="did you mean 'pipeline.num_micro_batch'"):
+    c.pipeline.num_micro_batches  # noqa: B018
+  import re
+  reads = re.compile(r"""environ(?:\.get\(|\[)\s*["']EPL_""")
+  readers = sorted(m for m, p in _modules().items() if reads.search(open(p).read()))
+  assert readers == [], readers        # epl.config reads every EPL_<SECTION>_<KEY> by its Key
+
+
+def test_second_init_on_an_annotated_graph_is_refused():
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config())
+    with epl.replicate(1, name="stage_0"):
+      tf.layers.dense(tf.constant(np.ones([2, 2], np.float32)), 1)
+    with pytest.raises(epl.EplError, match=r"epl.init\(\) was already called for this graph, "
+                       r"and the TaskGraph\(s\) annotated since \('stage_0' at "
+                       r"test_engine_shape.py:\d+\) would be dropped"):
+      epl.init(epl.Config())
