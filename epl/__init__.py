@@ -9,20 +9,42 @@ Public API (names fixed by EPL's documentation):
   epl.Env.get()                    .config, .cluster
   epl.add_to_collection / epl.get_collection / epl.GraphKeys   merged outputs
   epl.Graph.get()                  introspection of the parallel graph (.format())
+
+``import epl`` does not import TensorFlow (the names load on first use), so the command-line
+tools answer ``--help`` at once; it sets ``TF_USE_LEGACY_KERAS=1`` if unset, which must happen
+before ``tf.layers`` is first touched.
 """
+import importlib
+
 from epl.env import set_env_defaults as _set_env_defaults
 
 _set_env_defaults()
 
-# pylint: disable=wrong-import-position
-from epl.collections_api import GraphKeys  # noqa: E402
-from epl.config import Config  # noqa: E402
-from epl.entry import (Graph, add_to_collection, get_collection, init, replicate,  # noqa: E402
-                       set_default_strategy, split)
-from epl.env import Env  # noqa: E402
-from epl.errors import EplError  # noqa: E402
-from epl import timeline  # noqa: E402,F401
+# public name -> the module that defines it
+_EXPORTS = {
+    "init": "epl.entry", "replicate": "epl.entry", "split": "epl.entry",
+    "set_default_strategy": "epl.entry", "add_to_collection": "epl.entry",
+    "get_collection": "epl.entry", "Graph": "epl.entry",
+    "Config": "epl.config", "Env": "epl.env", "EplError": "epl.errors",
+    "GraphKeys": "epl.collections_api",
+}
+_SUBMODULES = ("timeline", "testing", "errors", "cluster", "config")
 
 __all__ = ["init", "Config", "replicate", "split", "set_default_strategy", "Env",
            "add_to_collection", "get_collection", "GraphKeys", "Graph", "EplError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  elif name in _SUBMODULES:
+    value = importlib.import_module("epl." + name)
+  else:
+    raise AttributeError("module 'epl' has no attribute %r" % name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(list(globals()) + __all__ + list(_SUBMODULES))

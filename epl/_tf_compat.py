@@ -12,7 +12,8 @@ Two kinds of things live here:
     ======================================  ==================================================
     gradients_util._GradientsHelper          force ``colocate_gradients_with_ops=True`` so each
                                              gradient op is attributable to its forward op;
-                                             record the ids of the backward ops
+                                             record the ids of the backward ops and the raw
+                                             gradient of every variable (the sync point)
     training.optimizer.Optimizer             record the (gradient, variable) pairs and the ids
       .apply_gradients                       of the apply ops (gradient sync hooks in here)
     monitored_session.Scaffold.finalize      rewrite the graph before MonitoredTrainingSession
@@ -66,6 +67,12 @@ def control_outputs(op):
   return op._control_outputs  # pylint: disable=protected-access
 
 
+def in_control_flow(op):
+  """True for an op built inside a v1 ``tf.cond`` branch or ``tf.while_loop`` body (its
+  Python control-flow context; ops TF imported or epl cloned have none)."""
+  return getattr(op, "_control_flow_context", None) is not None
+
+
 def add_control_inputs(op, control_ops):
   if control_ops:
     op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
@@ -105,6 +112,7 @@ def _gradients_hook(original):
     first = graph.version + 1
     result = original(*bound.args, **bound.kwargs)
     _listener.on_phase(graph, first, graph.version, "backward")
+    _listener.on_gradients(graph, bound.arguments["xs"], result)
     return result
   return helper
 

@@ -124,7 +124,9 @@ class Recorder:
   Positions are ``graph.version`` values (the op count): the i-th op created has rank i.
   Segments map ranks to TaskGraphs: segment i covers ranks in (start_i, start_{i+1}].
   Phase intervals (backward/apply) come from the compat hooks around gradient and optimizer
-  calls; ``grads_and_vars`` are the pairs every ``apply_gradients`` call saw.
+  calls; ``gradients`` are the (gradient, variable op) pairs every ``tf.gradients`` call
+  returned (the raw gradients, before any clipping), ``grads_and_vars`` the pairs every
+  ``apply_gradients`` call saw.
   """
 
   def __init__(self, graph):
@@ -135,6 +137,7 @@ class Recorder:
     self._default = None     # TaskGraph index of the current default strategy
     self.phase_intervals = []  # (first_id, last_id, phase)
     self.grads_and_vars = []   # (grad, var) pairs given to apply_gradients
+    self.gradients = []        # (grad, variable op) pairs tf.gradients returned
 
   def _new_spec(self, strategy, location):
     spec = TaskGraphSpec(len(self.specs), strategy.kind, strategy.device_count,
@@ -151,7 +154,16 @@ class Recorder:
       self._owners.append(owner)
 
   def enter_scope(self, strategy, location):
-    spec = self._new_spec(strategy, location)
+    """A new TaskGraph, or the earlier one of the same name (a scope can be reopened)."""
+    spec = next((s for s in self.specs if strategy.name and s.name == strategy.name), None)
+    if spec is None:
+      spec = self._new_spec(strategy, location)
+    elif (spec.kind, spec.device_count) != (strategy.kind, strategy.device_count):
+      raise AnnotationError(
+          "epl.%s(device_count=%s, name=%r) at %s reopens TaskGraph %r of %s with another "
+          "strategy; use the same strategy or another name" % (
+              strategy.kind, strategy.device_count, strategy.name, location, spec.name,
+              spec.describe()))
     self._segment(spec.index)
     return spec
 

@@ -113,14 +113,13 @@ def test_split_is_not_implemented_yet():
     _train_model([epl.split(2, name="s")], devices=2)
 
 
-def test_missing_gradient_for_updated_trainable_variable():
+def test_trainable_variable_updated_without_any_gradient_is_refused():
   def body():
     x = _x()
     with epl.replicate(1):
       w = tf.get_variable("w", [4, 1])
-      loss = tf.reduce_mean(tf.matmul(x, w))
-      grad = tf.gradients(loss, w)[0]
-      train = tf.assign_sub(w, 0.1 * grad)               # no optimizer: epl cannot sync it
+      score = tf.reduce_mean(tf.matmul(x, w))
+      train = tf.assign_add(w, tf.ones([4, 1]) * score)   # no gradient: copies would differ
     return train
   g = tf.Graph()
   with g.as_default():
@@ -128,7 +127,7 @@ def test_missing_gradient_for_updated_trainable_variable():
     train = body()
     with tf.Session() as sess:
       with pytest.raises(PlanError, match=r"no gradient for trainable variable 'w:0', which op "
-                         r"'AssignSub' updates"):
+                         r"'AssignAdd' updates in the training step"):
         sess.run(train, {"x:0": np.ones([2, 4])})
 
 
@@ -183,7 +182,7 @@ def test_only_the_chief_writes_summaries(tmp_path):
   assert counts == {0: 1, 1: 0}
 
 
-def test_fed_batch_that_does_not_split_is_refused():
+def test_fed_batch_with_fewer_rows_than_copies_is_refused():
   g = tf.Graph()
   with g.as_default():
     epl.init(epl.Config({"cluster.devices_per_worker": 2}))
@@ -193,8 +192,9 @@ def test_fed_batch_that_does_not_split_is_refused():
     train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
-      sess.run(train, {x: np.ones([4, 4])})
-      with pytest.raises(PlanError, match=r"the batch fed to 'features' has 3 rows, which epl "
-                         r"cannot split evenly over this worker's 2 model copies x 1 "
-                         r"micro-batch\(es\); feed a multiple of 2 rows"):
-        sess.run(train, {x: np.ones([3, 4])})
+      sess.run(train, {x: np.ones([3, 4])})                 # uneven: 2 + 1 rows, weighted
+      assert sess.run(loss, {x: np.ones([1, 4])}).shape == ()   # evaluation: any size
+      with pytest.raises(PlanError, match=r"the batch fed to 'features' has 1 rows, fewer than "
+                         r"this worker's 2 model copies x 1 micro-batch\(es\) \(2\): a training "
+                         r"run needs at least one row per copy and micro-batch"):
+        sess.run(train, {x: np.ones([1, 4])})

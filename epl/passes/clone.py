@@ -8,6 +8,8 @@ names, inputs from outside the set) and imports them in one ``tf.import_graph_de
 work is done in C++ and scales to graphs of tens of thousands of ops. Function-body ops
 (``tf.function``, control flow v2) refer to functions already in the graph's library.
 """
+import hashlib
+
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
@@ -69,6 +71,9 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
     if node.op in _FRAME_OPS:
       frame = node.attr["frame_name"].s.decode()
       node.attr["frame_name"].s = ("%s/%s" % (prefix, frame)).encode()
+    if "seed2" in node.attr and (node.attr["seed"].i or node.attr["seed2"].i):
+      # a clone draws its own numbers (dropout masks, synthetic batches), reproducibly
+      node.attr["seed2"].i = _clone_seed(node.attr["seed2"].i, prefix)
     if node.op == "VarHandleOp" and node.attr["shared_name"].s:
       # A resource variable's name is its identity on a device: give the copy its own.
       node.attr["shared_name"].s = ("%s/%s" % (prefix, node.attr["shared_name"].s.decode())
@@ -98,6 +103,11 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
   for name, controls in control_after.items():
     compat.add_control_inputs(mapping[name], [c for c in controls])
   return mapping
+
+
+def _clone_seed(seed2, prefix):
+  digest = hashlib.sha256(("%d/%s" % (seed2, prefix)).encode()).digest()
+  return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF or 1
 
 
 def rewire(tensor, new_tensor, consumers):

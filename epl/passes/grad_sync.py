@@ -1,19 +1,30 @@
-"""Gradient sync pass: all-reduce every trainable variable's gradient across the copies.
+"""Gradient sync pass: every copy's update sees the job-wide gradient.
 
-Expects: the clones of the replica and micro-batch passes and the plan's gradients. Adds, per bucket of dense gradients (grouped by TaskGraph and dtype,
-at most ``max_splits`` buckets each): a flatten + concat on each copy's device, one collective
-all-reduce, and a split back; the optimizer's apply ops of each copy are rewired to read the
-reduced gradient. ``IndexedSlices`` gradients are all-gathered (values and indices), or
-densified first with ``communication.sparse_as_dense``. Returns a ``SyncReport``: which bucket
-carries each variable, so tests can check that every gradient is synchronised exactly once.
+Expects: the clones of the replicate and micro_batch passes, the plan's gradients (the raw
+output of ``tf.gradients`` for each variable, and what ``apply_gradients`` was handed) and the
+update phase (``apply``: everything the step runs once after the gradients).
+
+For each gradient and copy, the micro-batch gradients are accumulated into one (a running
+sum, each micro-batch weighted by its share of the fed rows, divided by M for ``mean``).
+Then, with ``communication.clip_after_allreduce`` (the default), the accumulated raw
+gradients are all-reduced across every copy of the job and every update op that read the raw
+gradient -- the user's clipping, a custom optimizer, summaries -- reads the all-reduced one:
+the job trains the local model. With ``clip_after_allreduce: False`` (EPL's behaviour) the
+update reads the copy's own accumulated gradient and only what ``apply_gradients`` is handed
+is all-reduced (each copy clips its own gradient, then they are averaged).
+
+Dense gradients travel fused: per TaskGraph and dtype, at most ``max_splits`` buckets of
+similar size, each flattened, concatenated and all-reduced once. ``IndexedSlices`` are
+all-gathered (values and indices), or densified first with ``sparse_as_dense``. Returns a
+``SyncReport`` (which bucket carries each variable).
 """
 import dataclasses
-from typing import Dict, List
+from typing import List
 
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.errors import PlanError
+from epl.errors import NotImplementedYetError, PlanError
 from epl.passes.clone import rewire
 
 
@@ -27,38 +38,171 @@ class SyncReport:
     return [v for b in self.buckets for v in b] + list(self.gathered)
 
 
-def _apply_readers(grads, phase):
-  """{gradient tensor: apply-phase ops reading it}, taken before any rewiring."""
-  readers = {}
-  for grad in grads:
-    parts = [grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad]
-    for t in parts:
-      readers[t] = [c for c in t.consumers() if phase.get(c) == "apply"]
-  return readers
+@dataclasses.dataclass
+class _Item:
+  variable: str
+  taskgraph: int
+  grad: object                        # the user's tensor (Tensor or IndexedSlices)
+  per_copy: list                      # what each copy contributes (accumulated)
+  readers: list                       # update ops reading ``grad`` (the user's ops)
+  first: list                         # what copy c's readers read now
+
+  @property
+  def size(self):
+    t = self.grad.values if isinstance(self.grad, tf.IndexedSlices) else self.grad
+    return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else None
 
 
-def _tensors(graph, gradient):
-  """The gradient of a plan ``Gradient`` in the user's graph (a Tensor or IndexedSlices)."""
+def _get(graph, names):
+  """A plan gradient's tensors in the user's graph (a Tensor or IndexedSlices)."""
   get = graph.get_tensor_by_name
-  if gradient.sparse:
-    values, indices, shape = gradient.applied
-    return tf.IndexedSlices(get(values), get(indices), get(shape) if shape else None)
-  return get(gradient.applied[0])
+  if len(names) == 3:
+    return tf.IndexedSlices(get(names[0]), get(names[1]), get(names[2]) if names[2] else None)
+  return get(names[0])
 
 
-def _static_size(t):
-  shape = t.shape
-  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else None
+def _parts(grad):
+  return [grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad]
+
+
+def gradient_sync(ctx):
+  """Runs the pass; see the module docstring."""
+  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
+  report = SyncReport([], [], [])
+  if plan.total_copies == 1 and plan.num_micro_batch == 1:
+    return report
+  replication, clones = ctx.result("replicate"), ctx.clones()
+  update = {op for op, phase in ctx.phase.items() if phase == "apply"}
+  after_allreduce = plan.communication.clip_after_allreduce
+  missing = [g.variable for g in plan.gradients if not g.applied]
+  if not after_allreduce and missing:
+    raise NotImplementedYetError(
+        "communication.clip_after_allreduce=False all-reduces the gradients handed to "
+        "apply_gradients, but the optimizer of %s overrides apply_gradients, so epl cannot see "
+        "them; keep the default (True), which trains the local model" % ", ".join(
+            repr(v) for v in missing[:3]))
+  raw_items, applied_items = [], []
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.name_scope("epl_grad_sync"):
+    for g in plan.gradients:
+      var_op = graph.get_operation_by_name(g.variable)
+      if var_op.name not in replication.mirrored:
+        raise PlanError(
+            "epl cannot synchronise the gradient of variable %r: it is not part of the "
+            "replicated model (it is shared, like global_step). Leave it out of the "
+            "optimizer's var_list." % var_op.outputs[0].name)
+      tg = ctx.owner[var_op]
+      grad = _get(graph, g.tensors)
+      item = _accumulate(ctx, clones, replication.row_weights, g.variable, tg, grad, update)
+      if after_allreduce or not g.applied or g.applied == g.tensors:
+        raw_items.append(item)
+        continue
+      _rewire_all(clones, item, item.per_copy)             # the copy's own gradient
+      applied = _get(graph, g.applied)
+      applied_items.append(_Item(g.variable, tg, applied, [
+          _copy_tensor(clones, c, applied) for c in range(worker.num_copies)],
+          _readers(applied, update), [_copy_tensor(clones, c, applied)
+                                      for c in range(worker.num_copies)]))
+    if plan.total_copies > 1:
+      _reduce(ctx, raw_items + applied_items, report)
+  return report
+
+
+def _copy_tensor(clones, c, grad, m=0):
+  if isinstance(grad, tf.IndexedSlices):
+    shape = grad.dense_shape
+    if shape is not None and clones.tensor(c, shape, m) is not None:
+      shape = clones.tensor(c, shape, m)
+    return tf.IndexedSlices(clones.tensor(c, grad.values, m), clones.tensor(c, grad.indices, m),
+                            shape)
+  return clones.tensor(c, grad, m)
+
+
+def _readers(grad, update):
+  """{tensor: the update ops reading it} for each tensor of a gradient (before rewiring)."""
+  return {t: [c for c in t.consumers() if c in update] for t in _parts(grad)}
+
+
+def _accumulate(ctx, clones, weights, variable, tg, grad, update):
+  """Each copy's gradient accumulated over its micro-batches (weighted by fed rows)."""
+  worker, count = ctx.worker, ctx.plan.num_micro_batch
+  mean = ctx.plan.communication.reduce_method == "mean"
+  per_copy, first = [], []
+  for c in range(worker.num_copies):
+    with tf.device(worker.device_of(c, tg)):
+      parts = [_copy_tensor(clones, c, grad, m) for m in range(count)]
+      first.append(parts[0])
+      if weights is not None:
+        parts = [_scaled(p, weights[c * count + m]) for m, p in enumerate(parts)]
+      per_copy.append(_sum(parts, count if mean else 1))
+  item = _Item(variable, tg, grad, per_copy, _readers(grad, update), first)
+  if count > 1 or weights is not None:
+    _rewire_all(clones, item, per_copy)
+    item.first = list(per_copy)
+  return item
+
+
+def _scaled(grad, weight):
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype), grad.indices,
+                            grad.dense_shape)
+  return grad * tf.cast(weight, grad.dtype)
+
+
+def _loose_rows(t):
+  """``t`` with an unknown first dimension: rows gathered from several micro-batches or
+  copies differ in number from what the user's ops were built for (static shapes)."""
+  return tf.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
+
+
+def _sum(parts, divide_by):
+  if isinstance(parts[0], tf.IndexedSlices):
+    if len(parts) == 1:
+      values, indices = parts[0].values, parts[0].indices
+    else:
+      values = _loose_rows(tf.concat([p.values for p in parts], axis=0))
+      indices = _loose_rows(tf.concat([p.indices for p in parts], axis=0))
+    if divide_by > 1:
+      values = values / tf.cast(divide_by, values.dtype)
+    return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+  # a running sum: each micro-batch's gradient is freed as soon as it is added (add_n would
+  # keep all M of them alive until the last one arrives)
+  total = parts[0]
+  for part in parts[1:]:
+    total = total + part
+  return total / tf.cast(divide_by, total.dtype) if divide_by > 1 else total
+
+
+def _rewire_all(clones, item, new):
+  """Makes copy c's update ops that read ``item.first[c]`` read ``new[c]``."""
+  for c, (old, value) in enumerate(zip(item.first, new)):
+    for part_old, part_new, original in zip(_parts(old), _parts(value), _parts(item.grad)):
+      users = [clones.op(c, u) for u in item.readers[original]]
+      rewire(part_old, part_new, [u for u in users if u is not None])
+
+
+# ---- across copies ------------------------------------------------------------------------
+def _reduce(ctx, items, report):
+  dense, plan = {}, ctx.plan
+  for item in items:
+    if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
+      _gather_sparse(ctx, item, report)
+      continue
+    dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
+    dense.setdefault((item.taskgraph, dtype.base_dtype.name), []).append(item)
+  for (tg, _), group in sorted(dense.items()):
+    for bucket in _buckets(group, plan.communication.max_splits):
+      _reduce_bucket(ctx, tg, bucket, report)
 
 
 def _buckets(items, max_splits):
-  """Splits items (with .size) into at most max_splits contiguous runs of similar bytes."""
-  total = sum(max(1, i["size"] or 1) for i in items)
+  """Splits items into at most max_splits contiguous runs of similar bytes."""
+  total = sum(max(1, i.size or 1) for i in items)
   target = total / max_splits
   out, current, acc = [], [], 0
   for item in items:
     current.append(item)
-    acc += max(1, item["size"] or 1)
+    acc += max(1, item.size or 1)
     if acc >= target * (len(out) + 1) and len(out) < max_splits - 1:
       out.append(current)
       current = []
@@ -67,133 +211,59 @@ def _buckets(items, max_splits):
   return out
 
 
-def gradient_sync(ctx):
-  """Runs the pass; see the module docstring."""
-  graph, plan = ctx.graph, ctx.plan
-  report = SyncReport([], [], [])
-  if plan.total_copies == 1 and plan.num_micro_batch == 1:
-    return report
-  replication, clones = ctx.result("replicate"), ctx.clones()
-  pairs = [(_tensors(graph, g), graph.get_operation_by_name(g.variable))
-           for g in plan.gradients]
-  readers = _apply_readers([grad for grad, _ in pairs], ctx.phase)
-  dense: Dict[tuple, list] = {}
-  for grad, var_op in pairs:
-    if var_op.name not in replication.mirrored:
-      raise PlanError(
-          "epl cannot synchronise the gradient of variable %r: it is not used by the "
-          "replicated training step. Create it inside the model (an epl scope) or leave it "
-          "out of the optimizer's var_list." % var_op.outputs[0].name)
-    tg = ctx.owner.get(var_op)
-    if isinstance(grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
-      _gather_sparse(ctx, clones, grad, var_op, tg, readers, report)
-      continue
-    dense.setdefault((tg, grad.dtype.base_dtype), []).append(
-        dict(grad=grad, var=var_op, tg=tg, size=_static_size(grad.values if isinstance(
-            grad, tf.IndexedSlices) else grad)))
-  for (tg, _), items in sorted(dense.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-    devices = [ctx.worker.device_of(c, tg) for c in range(ctx.worker.num_copies)]
-    for bucket in _buckets(items, plan.communication.max_splits):
-      _reduce_bucket(ctx, clones, bucket, devices, readers, report)
-  return report
+def _reduce_bucket(ctx, tg, bucket, report):
+  worker, plan = ctx.worker, ctx.plan
+  devices = [worker.device_of(c, tg) for c in range(worker.num_copies)]
+  flats, dense = [], []
+  for c, device in enumerate(devices):
+    with tf.device(device):
+      grads = [tf.convert_to_tensor(item.per_copy[c]) for item in bucket]
+      dense.append(grads)
+      flats.append(tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
+                   if len(grads) > 1 else tf.reshape(grads[0], [-1]))
+  reduced = ctx.collectives.all_reduce(flats, devices, plan.communication.reduce_method,
+                                       group=plan.group_of(tg))
+  report.collective_ops.extend(r.op for r in reduced)
+  news = []
+  for c, device in enumerate(devices):
+    with tf.device(device):
+      sizes = [tf.size(g) if item.size is None else item.size
+               for g, item in zip(dense[c], bucket)]
+      pieces = tf.split(reduced[c], sizes) if len(bucket) > 1 else [reduced[c]]
+      news.append([tf.reshape(p, tf.shape(g) if not g.shape.is_fully_defined() else g.shape)
+                   for p, g in zip(pieces, dense[c])])
+  for i, item in enumerate(bucket):
+    if isinstance(item.grad, tf.IndexedSlices):            # sparse_as_dense
+      for c in range(len(devices)):
+        _rewire_sparse_as_dense(ctx.clones(), c, item, news[c][i])
+    else:
+      _rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
+  report.buckets.append([item.variable for item in bucket])
 
 
-def _copy_grad(clones, c, grad, method="mean"):
-  """Copy c's gradient: with micro-batches, accumulated over them (mean or sum)."""
-  count = clones.num_micro_batch
-  if count > 1:
-    parts = [_one_grad(clones, c, grad, m) for m in range(count)]
-    if isinstance(grad, tf.IndexedSlices):
-      values = tf.concat([p.values for p in parts], axis=0)
-      if method == "mean":
-        values = values / tf.cast(count, values.dtype)
-      return tf.IndexedSlices(values, tf.concat([p.indices for p in parts], axis=0),
-                              parts[0].dense_shape)
-    # a running sum: each micro-batch's gradient is freed as soon as it is added (add_n
-    # would keep all M of them alive until the last one arrives)
-    total = parts[0]
-    for part in parts[1:]:
-      total = total + part
-    return total / tf.cast(count, total.dtype) if method == "mean" else total
-  return _one_grad(clones, c, grad, 0)
+def _rewire_sparse_as_dense(clones, c, item, dense_new):
+  old = item.first[c]
+  users = {k: [u for u in (clones.op(c, x) for x in v) if u is not None]
+           for k, v in item.readers.items()}
+  with tf.device(dense_new.device):
+    rows = tf.range(tf.shape(dense_new, out_type=old.indices.dtype)[0])
+  rewire(old.values, dense_new, users[item.grad.values])
+  rewire(old.indices, rows, users[item.grad.indices])
 
 
-def _one_grad(clones, c, grad, m):
-  if isinstance(grad, tf.IndexedSlices):
-    shape = grad.dense_shape
-    if shape is not None and clones.tensor(c, shape, m) is not None:
-      shape = clones.tensor(c, shape, m)
-    return tf.IndexedSlices(clones.tensor(c, grad.values, m),
-                            clones.tensor(c, grad.indices, m), shape)
-  return clones.tensor(c, grad, m)
-
-
-def _reduce_bucket(ctx, clones, bucket, devices, readers, report):
-  n, method = ctx.worker.num_copies, ctx.plan.communication.reduce_method
-  flats, per_copy = [], []
-  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
-      tf.name_scope("epl_grad_sync"):
-    for c in range(n):
-      grads = [_copy_grad(clones, c, item["grad"], method) for item in bucket]
-      with tf.device(devices[c]):
-        dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads]
-        flats.append(tf.concat([tf.reshape(g, [-1]) for g in dense], axis=0)
-                     if len(dense) > 1 else tf.reshape(dense[0], [-1]))
-      per_copy.append((grads, dense))
-    reduced = ctx.collectives.all_reduce(flats, devices, method,
-                                         group=ctx.plan.group_of(bucket[0]["tg"]))
-    report.collective_ops.extend(r.op for r in reduced)
-    for c in range(n):
-      grads, dense = per_copy[c]
-      with tf.device(devices[c]):
-        sizes = [tf.size(g) if item["size"] is None else item["size"]
-                 for g, item in zip(dense, bucket)]
-        pieces = tf.split(reduced[c], sizes) if len(dense) > 1 else [reduced[c]]
-        for g, d, piece, item in zip(grads, dense, pieces, bucket):
-          new = tf.reshape(piece, tf.shape(d) if not d.shape.is_fully_defined() else d.shape)
-          original = item["grad"]
-          first = _one_grad(clones, c, original, 0)    # what the apply ops read now
-          if isinstance(original, tf.IndexedSlices):
-            _rewire_sparse_as_dense(clones, c, original, first, new, readers)
-          else:
-            rewire(first, new, _copy_consumers(clones, c, original, readers))
-  report.buckets.append([item["var"].name for item in bucket])
-
-
-def _copy_consumers(clones, c, original, readers):
-  """The apply ops of copy ``c`` that read ``original``'s copy."""
-  return [clones.op(c, op) for op in readers[original]]
-
-
-def _rewire_sparse_as_dense(clones, c, original, g, dense_new, readers):
-  rows = tf.shape(dense_new, out_type=g.indices.dtype)[0]
-  rewire(g.values, dense_new, _copy_consumers(clones, c, original.values, readers))
-  rewire(g.indices, tf.range(rows), _copy_consumers(clones, c, original.indices, readers))
-
-
-def _gather_sparse(ctx, clones, grad, var_op, tg, readers, report):
-  n, plan = ctx.worker.num_copies, ctx.plan
-  method = plan.communication.reduce_method
-  devices = [ctx.worker.device_of(c, tg) for c in range(n)]
-  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
-      tf.name_scope("epl_grad_sync"):
-    firsts = [_one_grad(clones, c, grad, 0) for c in range(n)]
-    accumulated = []
-    for c in range(n):
-      with tf.device(devices[c]):
-        accumulated.append(_copy_grad(clones, c, grad, method))
-    values = [a.values for a in accumulated]
-    indices = [a.indices for a in accumulated]
-    gathered_values = ctx.collectives.all_gather(values, devices, group=plan.group_of(tg))
-    gathered_indices = ctx.collectives.all_gather(indices, devices, group=plan.group_of(tg))
-    report.collective_ops.extend(t.op for t in gathered_values + gathered_indices)
-    for c in range(n):
-      with tf.device(devices[c]):
-        new_values = gathered_values[c]
-        if method == "mean":
-          new_values = new_values / tf.cast(plan.total_copies, new_values.dtype)
-      rewire(firsts[c].values, new_values, _copy_consumers(clones, c, grad.values, readers))
-      rewire(firsts[c].indices, gathered_indices[c],
-             _copy_consumers(clones, c, grad.indices, readers))
-  report.gathered.append(var_op.name)
+def _gather_sparse(ctx, item, report):
+  worker, plan = ctx.worker, ctx.plan
+  devices = [worker.device_of(c, item.taskgraph) for c in range(worker.num_copies)]
+  group = plan.group_of(item.taskgraph)
+  values = ctx.collectives.all_gather([g.values for g in item.per_copy], devices, group=group)
+  indices = ctx.collectives.all_gather([g.indices for g in item.per_copy], devices, group=group)
+  report.collective_ops.extend(t.op for t in values + indices)
+  news = []
+  for c, device in enumerate(devices):
+    with tf.device(device):
+      v = _loose_rows(values[c])
+      if plan.communication.reduce_method == "mean":
+        v = v / tf.cast(plan.total_copies, v.dtype)
+      news.append(tf.IndexedSlices(v, _loose_rows(indices[c]), item.per_copy[c].dense_shape))
+  _rewire_all(ctx.clones(), item, news)
+  report.gathered.append(item.variable)

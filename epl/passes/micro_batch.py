@@ -3,7 +3,8 @@
 Expects: the ``replicate`` result and ``pipeline.num_micro_batch`` M > 1 in the plan.
 Adds, for every copy c and micro-batch m >= 1, a clone of the copy's compute ops (forward and
 backward phases; not the apply ops, not the variables) under ``EPL_MB_<m>_R_<c>/``: it reads
-its own batch (its own ``get_next``, or its piece of a fed batch) and copy c's variables.
+its own batch (its own ``get_next``, or its own placeholders, which the runtime feeds with its
+piece of a fed batch) and copy c's variables.
 Singletons wait for every micro-batch. Returns ``MicroBatches``; gradient accumulation is done
 by the gradient sync pass, the order of micro-batches by the schedule pass.
 """
@@ -13,7 +14,7 @@ from typing import Dict, Mapping
 import tensorflow.compat.v1 as tf
 
 from epl.passes.clone import clone_ops, wait_for_clones
-from epl.passes.op_tables import VARIABLE_OPS
+from epl.op_tables import VARIABLE_OPS
 from epl.passes.replicate import device_function
 
 
@@ -33,7 +34,7 @@ def micro_batch(ctx):
   count = ctx.plan.num_micro_batch
   if count == 1:
     return MicroBatches({})
-  analysis, replication = ctx.result("analyze"), ctx.result("replicate")
+  analysis = ctx.result("analyze")
   clones = ctx.clones()
   compute = compute_ops(analysis, ctx.phase)
   compute_set = set(compute)
@@ -43,9 +44,7 @@ def micro_batch(ctx):
     # the copy's own non-compute ops (variables, apply ops) are shared by its micro-batches
     own = {} if c == 0 else {t: clones.tensor(c, t) for op in rest for t in op.outputs}
     for m in range(1, count):
-      input_map = dict(own)
-      input_map.update(replication.piece_maps.get((c, m), {}))
       out[(c, m)] = clone_ops(ctx.graph, compute, "EPL_MB_%d_R_%d" % (m, c),
-                              device_function(ctx, c), input_map, ctx.nodes)
+                              device_function(ctx, c), dict(own), ctx.nodes)
   wait_for_clones(analysis.singletons, list(out.values()), compute_set)
   return MicroBatches(out)

@@ -4,21 +4,21 @@ Expects: the plan (this worker's copies) and the ``analyze`` result. Adds:
   * copy 0 = the user's own ops, placed on copy 0's devices (a lone copy of a lone TaskGraph
     is left to TF's placer, exactly as the local script);
   * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices; data sources
-    (``get_next``) are cloned per replica, so N replicas read N batches per step; a fed batch
-    placeholder is split evenly over all copies; with ``shards`` k > 1 each replica's batch is
-    split k ways;
+    (``get_next``) are cloned per replica, so N replicas read N batches per step; placeholders
+    are cloned too (the runtime feeds each copy its piece of a fed batch); with ``shards``
+    k > 1 each replica's batch from an iterator is split k ways;
   * singletons (the optimizer's finish group, ``global_step += 1``) wait for every copy;
   * ``sync_op``: copies replica 0's variables to the other copies (run after init/restore).
 Returns a ``Replication`` record.
 """
 import dataclasses
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.passes.clone import clone_ops, rewire, wait_for_clones
-from epl.passes.op_tables import is_host_op
+from epl.op_tables import is_host_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +26,9 @@ class Replication:
   copies: List[Dict[str, tf.Operation]]   # copies[c][original op name] -> op (copy 0: {})
   sync_op: tf.Operation                   # None when there is nothing to sync
   mirrored: Mapping[str, List[tf.Operation]]  # original variable op name -> op in every copy
-  # (copy, micro-batch) -> {original tensor: the fed piece} for split batch placeholders
-  piece_maps: Mapping[tuple, dict] = dataclasses.field(default_factory=dict)
+  # [copies x micro-batches] weights of each piece's gradient; the runtime feeds rows-based
+  # weights when a fed batch does not split evenly (None without batch placeholders)
+  row_weights: Optional[tf.Tensor] = None
 
 
 def device_function(ctx, copy):
@@ -48,46 +49,39 @@ def replicate(ctx):
   """Runs the pass; see the module docstring."""
   graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
   analysis = ctx.result("analyze")
-  n, k, m_count = worker.num_copies, plan.shards, plan.num_micro_batch
-  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or m_count > 1:
+  n, k = worker.num_copies, plan.shards
+  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.num_micro_batch > 1:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
     place_copy0 = device_function(ctx, 0)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))
-  cloned = list(analysis.cloned)
-  members = set(cloned)
-  base_map = {}
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
-    pieces_needed = n * m_count
-    for ph in analysis.split_placeholders if pieces_needed > 1 else ():
-      # a fed batch is this worker's whole step: one piece per (copy, micro-batch)
-      with tf.device(worker.host):
-        pieces = tf.split(ph.outputs[0], pieces_needed, axis=0, name="epl_split/" + ph.name)
-      rewire(ph.outputs[0], pieces[0], members)
-      for c in range(n):
-        for m in range(m_count):
-          if c or m:
-            base_map.setdefault((c, m), {})[pieces[0]] = pieces[c * m_count + m]
+  pieces = n * plan.num_micro_batch
+  weights = None
+  if analysis.batch_placeholders and pieces > 1:
+    with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+        tf.device(worker.host):
+      weights = tf.placeholder_with_default(tf.ones([pieces]), [pieces], name="epl_row_weights")
   if n == 1:
     mirrored = {v.name: [v] for v in analysis.mirrored}
     sync_op = _build_sync(ctx, mirrored) if plan.worker_num > 1 else None
-    return Replication([{}], sync_op, mirrored, base_map)
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
-    source_splits = []                            # (split op, source op) for shards > 1
-    if k > 1:
+    return Replication([{}], sync_op, mirrored, weights)
+  cloned = list(analysis.cloned)
+  members = set(cloned)
+  source_splits = []                              # (split op, source op) for shards > 1
+  if k > 1:
+    with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
       for src in analysis.sources:
         for t in src.outputs:
           with tf.device(worker.host):
             pieces = tf.split(t, k, axis=0, name="epl_shard/%s_%d" % (src.name, t.value_index))
           rewire(t, pieces[0], members)
           source_splits.append((pieces[0].op, src))
-      cloned += [s for s, _ in source_splits]
-
+    cloned += [s for s, _ in source_splits]
   copies = [{}]
   for c in range(1, n):
     r, j = divmod(c, k)
-    input_map = dict(base_map.get((c, 0), {}))
+    input_map = {}
     ops = cloned
     if j > 0:
       skip = {s for s, _ in source_splits} | set(analysis.sources)
@@ -97,10 +91,9 @@ def replicate(ctx):
         input_map[split_op.outputs[0]] = replica_split.outputs[j]
     copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(ctx, c),
                             input_map, ctx.nodes))
-
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
-  return Replication(copies, _build_sync(ctx, mirrored), mirrored, base_map)
+  return Replication(copies, _build_sync(ctx, mirrored), mirrored, weights)
 
 
 def _read(var_op):

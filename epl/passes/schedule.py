@@ -7,6 +7,11 @@ first ops of the next action wait for it. With one stage this is gradient accumu
 micro-batches run one after another (PreferBackward: F0 B0 F1 B1 ...), so activations of one
 micro-batch are alive at a time. Returns ``Schedule``: {(copy, stage): [(action, ops)]} for
 tests and the timeline tool.
+
+Only ops outside ``tf.cond`` branches and while-loop frames take part in the ordering (the
+branch's Merge and the loop's Exit stand for them): a control edge from an untaken branch
+would make the next micro-batch dead ("Retval does not have value"), and one into a loop body
+crosses frames.
 """
 import dataclasses
 from typing import List, Mapping, Tuple
@@ -22,16 +27,35 @@ class Schedule:
   placed: Mapping[Tuple[int, int], List[Tuple[str, list]]]
 
 
+def _downstream_of_switches(ops):
+  """Ops that may be dead in a step: what a Switch output feeds, up to the Merge (the cond's
+  pivots ``switch_t`` / ``switch_f`` are built outside its context, and one is always dead)."""
+  found = set()
+  work = [c for op in ops if op.type in ("Switch", "RefSwitch")
+          for t in op.outputs for c in t.consumers()]
+  while work:
+    op = work.pop()
+    if op in found or op.type in ("Merge", "RefMerge"):
+      continue
+    found.add(op)
+    work.extend(c for t in op.outputs for c in t.consumers())
+    work.extend(compat.control_outputs(op))
+  return found
+
+
 def schedule(ctx):
   """Runs the pass; see the module docstring."""
   plan = ctx.plan
   if plan.num_micro_batch == 1:
     return Schedule({})
   clones = ctx.clones()
+  compute = compute_ops(ctx.result("analyze"), ctx.phase)
   by_action = {}
-  for op in compute_ops(ctx.result("analyze"), ctx.phase):
+  for op in compute:
     kind = "F" if ctx.phase.get(op) == "forward" else "B"
     by_action.setdefault((ctx.owner[op], kind), []).append(op)
+  maybe_dead = _downstream_of_switches(compute)
+  outside = {op for op in compute if not compat.in_control_flow(op) and op not in maybe_dead}
   placed = {}
   with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
     for c in range(ctx.worker.num_copies):
@@ -40,18 +64,20 @@ def schedule(ctx):
         actions = []
         for action in actions_of_stage:
           kind, m = action[0], int(action[1:])
-          ops = [clones.op(c, op, m) for op in by_action.get((s, kind), ())]
-          ops = [op for op in ops if op is not None]
-          if not ops:
+          pairs = [(clones.op(c, op, m), op in outside) for op in by_action.get((s, kind), ())]
+          pairs = [(op, top) for op, top in pairs if op is not None]
+          top_level = [op for op, top in pairs if top]
+          if not top_level:
             continue
-          members = set(ops)
+          members = {op for op, _ in pairs}
           if previous_done is not None:
-            for op in ops:
+            for op in top_level:
               if not any(i.op in members for i in op.inputs) and \
                   not any(x in members for x in op.control_inputs):
                 compat.add_control_inputs(op, [previous_done])
           with tf.device(ctx.worker.device_of(c, s)):
-            previous_done = tf.group(*ops, name="epl_schedule/c%d_s%d_%s" % (c, s, action))
-          actions.append((action, ops))
+            previous_done = tf.group(*top_level,
+                                     name="epl_schedule/c%d_s%d_%s" % (c, s, action))
+          actions.append((action, [op for op, _ in pairs]))
         placed[(c, s)] = actions
   return Schedule(placed)

@@ -111,14 +111,21 @@ def _layout(counts, cluster):
 
 
 def _gradients(recorder):
-  """The (gradient, variable) pairs the optimizers saw, by name, one per variable."""
-  out, seen = [], set()
+  """The raw gradient of every variable (what tf.gradients returned), with what
+  apply_gradients was handed for it; gradients an optimizer got from elsewhere count as raw."""
+  applied = {}
   for grad, var in recorder.grads_and_vars:
-    if grad is None or var.op.name in seen:
-      continue
-    seen.add(var.op.name)
-    names = _tensor_names(grad)
-    out.append(Gradient(var.op.name, names, names))
+    if grad is not None:
+      applied.setdefault(var.op.name, _tensor_names(grad))
+  out, seen = [], set()
+  for grad, var_op in recorder.gradients:
+    key = (var_op.name, _tensor_names(grad))
+    if key not in seen:
+      seen.add(key)
+      out.append(Gradient(key[0], key[1], applied.get(key[0], ())))
+  computed = {g.variable for g in out}
+  out.extend(Gradient(name, names, names) for name, names in applied.items()
+             if name not in computed)
   return tuple(out)
 
 

@@ -13,6 +13,7 @@ import epl.passes
 from epl import _tf_compat as compat
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
+from epl.runtime.feeds import FeedSplitter
 from epl.runtime.fetch import FetchMapper
 from epl.runtime.parallel_graph import ParallelGraph
 
@@ -35,8 +36,9 @@ def rewrite(state):
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel
-  state.fetch_mapper = FetchMapper(state.graph, pg, state.collections) \
-      if pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1) else None
+  merges = pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1)
+  state.fetch_mapper = FetchMapper(state.graph, pg, state.collections) if merges else None
+  state.feeds = FeedSplitter(pg) if merges else None
   log.debug("rewrite done in %.2f s:\n%s", time.time() - start, pg.format())
   return pg
 

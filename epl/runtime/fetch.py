@@ -1,14 +1,18 @@
-"""What a fetch returns under replication (reference page, "What a fetch returns").
+"""What a fetch returns when every copy runs (docs/user_guide.md, "What a fetch returns").
 
-* a floating-point scalar computed by the model copies (the loss, a metric): the mean over
-  this worker's copies — the number the single-device run prints;
-* a tensor in ``epl.add_to_collection(t, GraphKeys.X)``: merged as X says (``GLOBAL_*``
-  across every worker too: every client must fetch it in the same steps);
-* anything else: copy 0's value (the user's own op).
+| fetched tensor of a model copy                       | returns                                    |
+|------------------------------------------------------|--------------------------------------------|
+| in ``epl.add_to_collection(t, GraphKeys.X)``         | merged as X says (``GLOBAL_*``: job-wide)  |
+| floating-point scalar (loss, metric)                 | mean over copies and micro-batches,        |
+|                                                      | weighted by their fed rows                 |
+| batch-major (first dimension = the copy's batch)     | every copy's and micro-batch's rows,       |
+|                                                      | concatenated in batch order                |
+| anything else (global_step, a weight, a histogram)   | copy 0's value (the user's own op)         |
 
-The mapper also tells the runtime when a fetch writes a mirrored variable outside the
-training step (initializer, ``Saver.restore``, a user assign), so that copy 0's new values can
-be copied to the other copies right after.
+In a run where only copy 0 runs (evaluation, prediction; see epl.runtime.feeds) every fetch is
+the user's own tensor. The mapper also tells the runtime when a fetch writes a mirrored variable
+outside the step (initializer, ``Saver.restore``, a user assign), so that copy 0's new values
+are copied to the other copies right after.
 """
 import collections
 
@@ -16,7 +20,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.collections_api import MERGE_KINDS
-from epl.passes.op_tables import ASSIGN_OPS
+from epl.op_tables import ASSIGN_OPS, RANDOM_OPS
 
 
 class FetchMapper:
@@ -34,35 +38,51 @@ class FetchMapper:
       for t in tensors:
         self._kind_of[t] = MERGE_KINDS[key]
     self._mirrored = {ops[0] for ops in parallel.replication.mirrored.values()}
-    self._cloned = parallel.analysis.cloned_set
+    analysis = parallel.analysis
+    self._cloned = analysis.cloned_set
+    inputs = analysis.sources + analysis.batch_placeholders + tuple(
+        op for op in analysis.cloned if op.type in RANDOM_OPS)      # synthetic batches
+    self._batch_inputs = [t for op in inputs for t in op.outputs if t.shape.rank]
+    self._weights = parallel.replication.row_weights
 
-  def map(self, fetches):
-    """Returns (mapped fetches with the same structure, whether the run writes variables)."""
+  def elements(self, fetches):
+    """The graph elements (ops and tensors) of a fetch structure."""
+    out = []
+    self._walk(fetches, lambda e: out.append(self._graph_element(e)) or e)
+    return out
+
+  def map(self, fetches, all_copies=True):
+    """Returns (fetches with the same structure, merged when ``all_copies``, and whether the
+    run writes mirrored variables)."""
     writes = [False]
-    return self._map(fetches, writes), writes[0]
 
-  def _map(self, fetches, writes):
+    def element(fetch):
+      key = (fetch, all_copies)
+      try:
+        hit = self._cache.get(key)
+      except TypeError:
+        return fetch
+      if hit is None:
+        hit = self._element(fetch, all_copies)
+        self._cache[key] = hit
+      if hit[1]:
+        writes[0] = True
+      return hit[0]
+    return self._walk(fetches, element), writes[0]
+
+  def _walk(self, fetches, fn):
     if isinstance(fetches, (list, tuple)):
-      mapped = [self._map(f, writes) for f in fetches]
+      mapped = [self._walk(f, fn) for f in fetches]
       if isinstance(fetches, tuple) and hasattr(fetches, "_fields"):
         return type(fetches)(*mapped)
       return type(fetches)(mapped)
     if isinstance(fetches, collections.abc.Mapping):
-      return type(fetches)((k, self._map(v, writes)) for k, v in fetches.items()) \
+      return type(fetches)((k, self._walk(v, fn)) for k, v in fetches.items()) \
           if not isinstance(fetches, collections.defaultdict) else \
-          {k: self._map(v, writes) for k, v in fetches.items()}
-    try:
-      hit = self._cache.get(fetches)
-    except TypeError:
-      return fetches
-    if hit is None:
-      hit = self._element(fetches)
-      self._cache[fetches] = hit
-    if hit[1]:
-      writes[0] = True
-    return hit[0]
+          {k: self._walk(v, fn) for k, v in fetches.items()}
+    return fn(fetches)
 
-  def _element(self, fetch):
+  def _element(self, fetch, all_copies):
     element = fetch
     if isinstance(fetch, str):
       try:
@@ -71,43 +91,75 @@ class FetchMapper:
         return fetch, False
     if isinstance(element, tf.Operation):
       return fetch, self._writes_mirrored(element)
-    if isinstance(element, tf.Tensor):
+    if isinstance(element, tf.Tensor) and all_copies:
       return self._merged(element, fetch), False
     return fetch, False
 
+  def _graph_element(self, fetch):
+    if isinstance(fetch, str):
+      try:
+        return self.graph.as_graph_element(fetch)
+      except (KeyError, ValueError, TypeError):
+        return None
+    return fetch
+
+  # ---- merging -----------------------------------------------------------------------
   def _merged(self, t, fetch):
     kind, job_wide = self._kind_of.get(t, (None, False))
     if kind is None:
-      if (t.op not in self._cloned or t.shape.rank != 0 or not t.dtype.is_floating or
-          self.parallel.num_copies * self._clones.num_micro_batch == 1):
+      if t.op not in self._cloned:
         return fetch
-      kind = "mean"
-    rep = self._clones
-    copies = [rep.tensor(c, t) for c in range(self.parallel.num_copies)]
-    if any(c is None for c in copies):
+      if t.shape.rank == 0 and t.dtype.is_floating:
+        kind = "mean"
+      elif self._batch_major(t):
+        kind = "concat"
+      else:
+        return fetch
+    pieces = self._clones.every(t)
+    if all(p is None for p in pieces[1:]):
       return fetch
-    micro = [rep.tensor(c, t, m) for c in range(self.parallel.num_copies)
-             for m in range(1, rep.num_micro_batch)]
-    if micro and all(x is not None for x in micro):
-      copies += micro                          # the loss is averaged over micro-batches too
+    weights = self._weights
+    if any(p is None for p in pieces):               # run once per step (not per micro-batch)
+      m = self._clones.num_micro_batch
+      pieces, weights = pieces[::m], None
+      if any(p is None for p in pieces):
+        return fetch
     with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
         tf.control_dependencies(None), tf.device(self.parallel.worker.host), \
         tf.name_scope("epl_merged"):
-      plan, host = self.parallel.plan, self.parallel.worker.host
-      if kind == "concat":
-        merged = tf.concat(copies, axis=0)
-        if job_wide and plan.worker_num > 1:
-          merged = self._collectives.all_gather([merged], [host],
-                                                group=self._client_hosts())[0]
-        return merged
-      merged = tf.add_n(copies)
+      return self._merge(kind, job_wide, pieces, weights)
+
+  def _merge(self, kind, job_wide, pieces, weights):
+    plan, host = self.parallel.plan, self.parallel.worker.host
+    if kind == "concat":
+      merged = tf.concat(pieces, axis=0)
       if job_wide and plan.worker_num > 1:
-        merged = self._collectives.all_reduce([merged], [host], "sum",
-                                              group=self._client_hosts())[0]
-        count = plan.total_copies * (len(copies) // max(1, self.parallel.num_copies))
-      else:
-        count = len(copies)
-      return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
+        merged = self._collectives.all_gather([merged], [host], group=self._client_hosts())[0]
+      return merged
+    if kind == "mean" and weights is not None and len(pieces) == weights.shape[0]:
+      pieces = [p * tf.cast(weights[i], p.dtype) for i, p in enumerate(pieces)]
+    merged = tf.add_n(pieces)
+    count = len(pieces)
+    if job_wide and plan.worker_num > 1:
+      merged = self._collectives.all_reduce([merged], [host], "sum",
+                                            group=self._client_hosts())[0]
+      count = count * plan.total_copies // max(1, self.parallel.num_copies)
+    return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
+
+  def _batch_major(self, t):
+    """True when ``t``'s first dimension is the batch dimension of an input it comes from."""
+    if not t.shape.rank:
+      return False
+    dim = t.shape.dims[0].value
+    upstream, seen, work = set(), set(), [t.op]
+    while work:
+      op = work.pop()
+      if op in seen or op not in self._cloned:
+        continue
+      seen.add(op)
+      upstream.update(op.outputs)
+      work.extend(i.op for i in op.inputs)
+    return any(b in upstream and b.shape.dims[0].value == dim for b in self._batch_inputs)
 
   def _client_hosts(self):
     plan = self.parallel.plan

@@ -7,9 +7,10 @@ import logging
 
 import tensorflow.compat.v1 as tf
 
-from epl.errors import PlanError
 from epl.io_slicing import assign_files
+from epl.op_tables import VARIABLE_OPS
 from epl.runtime import driver, faults
+from epl.runtime.feeds import ALL
 from epl.runtime.session_config import session_config
 
 log = logging.getLogger("epl")
@@ -47,6 +48,14 @@ class Dispatcher:
 
   def on_apply(self, graph, grads_and_vars):
     self.state.recorder.grads_and_vars.extend(grads_and_vars)
+
+  def on_gradients(self, graph, xs, grads):
+    """Records (raw gradient, variable op) for every variable among ``xs``."""
+    xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+    for x, g in zip(xs, grads):
+      var_op = variable_op_of(x)
+      if g is not None and var_op is not None:
+        self.state.recorder.gradients.append((g, var_op))
 
   def before_session(self, graph):
     self._rewrite()
@@ -92,17 +101,28 @@ class Dispatcher:
       raise error from e
 
   def _run(self, pg, session, original, fetches, feed_dict, options, run_metadata):
-    mapper = self.state.fetch_mapper
+    mapper, feeds = self.state.fetch_mapper, self.state.feeds
     if mapper is None:
       return original(session, fetches, feed_dict, options, run_metadata)
-    if feed_dict:
-      _check_fed_batches(pg, feed_dict)
-    mapped, writes = mapper.map(fetches)
-    result = original(session, mapped, feed_dict, options, run_metadata)
+    mode = feeds.mode(mapper.elements(fetches), feed_dict)
+    mapped, writes = mapper.map(fetches, all_copies=mode == ALL)
+    result = original(session, mapped, feeds.split(feed_dict, mode), options, run_metadata)
     sync = pg.replication.sync_op
     if writes and sync is not None:
       original(session, sync, options=options)
     return result
+
+
+def variable_op_of(x):
+  """The variable op behind ``x`` (a Variable, its ref / handle, or a read of it), or None."""
+  op = getattr(x, "op", None)
+  for _ in range(3):               # kernel/read (Identity) or ReadVariableOp -> the variable
+    if op is None or op.type in VARIABLE_OPS:
+      return op
+    if op.type not in ("Identity", "ReadVariableOp") or not op.inputs:
+      return None
+    op = op.inputs[0].op
+  return None
 
 
 def step_deadline(options, seconds):
@@ -120,24 +140,3 @@ def step_deadline(options, seconds):
     merged.CopyFrom(options)
   merged.timeout_in_ms = limit
   return merged
-
-
-def _check_fed_batches(parallel, feed_dict):
-  """A fed batch is split over copies and micro-batches: refuse one that does not divide."""
-  pieces = parallel.num_copies * parallel.plan.num_micro_batch
-  if pieces == 1:
-    return
-  split = {ph.outputs[0] for ph in parallel.analysis.split_placeholders}
-  for key, value in feed_dict.items():
-    tensor = key if isinstance(key, tf.Tensor) else None
-    if tensor is None and isinstance(key, str):
-      try:
-        tensor = parallel.graph.as_graph_element(key)
-      except (KeyError, ValueError):
-        continue
-    if tensor in split and hasattr(value, "__len__") and len(value) % pieces:
-      raise PlanError(
-          "the batch fed to %r has %d rows, which epl cannot split evenly over this worker's "
-          "%d model copies x %d micro-batch(es); feed a multiple of %d rows" % (
-              tensor.op.name, len(value), parallel.num_copies,
-              parallel.plan.num_micro_batch, pieces))

@@ -18,4 +18,5 @@ class GraphState:
     self.parallel = None        # epl.runtime.parallel_graph.ParallelGraph once rewritten
     self.collections = {}       # epl.add_to_collection: key -> [tensor]
     self.server = None          # this worker's tf.train.Server in a multi-worker job
-    self.fetch_mapper = None
+    self.fetch_mapper = None    # epl.runtime.fetch.FetchMapper when copies merge
+    self.feeds = None           # epl.runtime.feeds.FeedSplitter alongside it

@@ -23,6 +23,18 @@ ASSIGN_OPS = frozenset({
     "AssignSubVariableOp",
 })
 
+# Placeholders: every copy gets its own; the runtime feeds each its piece of a fed batch.
+PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+
+# Ops every copy shares (with what only feeds or only follows them): checkpoints,
+# initialisation checks, iterator set-up. Queue enqueue/close and table initialisers are
+# matched by prefix in epl.passes.analyze; stateful ops without inputs (queues, readers,
+# tables) and the input pipeline (is_host_op) are shared too.
+SHARED_SINK_OPS = frozenset({
+    "SaveV2", "Save", "SaveSlices", "RestoreV2", "Restore", "RestoreSlice",
+    "MergeV2Checkpoints", "IsVariableInitialized", "VarIsInitializedOp", "MakeIterator",
+})
+
 # Ops that only read a variable (never make it diverge between copies).
 READ_OPS = frozenset({"Identity", "ReadVariableOp", "VarIsInitializedOp",
                       "IsVariableInitialized"})
@@ -41,3 +53,9 @@ def pinned_to_host(op):
     return False
   spec = tf.DeviceSpec.from_string(op.device)
   return (spec.device_type or "").upper() == "CPU" and spec.device_index in (None, 0)
+
+
+def mutates(op):
+  """True for ops with side effects: stateful ones, and those writing through a ref input
+  (``Assign``, ``ApplyMomentum``: TF does not mark them stateful)."""
+  return op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg)
