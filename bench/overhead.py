@@ -1,12 +1,17 @@
-"""epl's overhead: (a) step time vs plain TF, (b) rewrite time vs graph size.
+"""epl's overhead: (a) step time vs plain TF, (b) rewrite time vs graph size, (c) the cost of
+a host -> device hop with one device.
 
-  python bench/overhead.py [--repeats 15] [--steps 200] [--sizes 2500,5000,10000]
+  python bench/overhead.py [--repeats 31] [--steps 200] [--sizes 2500,5000,10500]
 
-(a) the quick-start MLP (batch 10, sub-millisecond steps, where overhead shows): epl with one
-    replica (``replicate(1)`` on one device) vs the plain TF script; medians of interleaved
-    repeats of ``--steps`` steps each. Target: ratio <= 1.02.
+(a) an MLP fed by a dataset iterator, with a ~0.5 ms step (the quick-start model, batch 10)
+    and a ~10 ms step (3 x 512 wide, batch 256): epl with one replica (``replicate(1)`` on one
+    device) vs the plain TF script; medians of interleaved repeats of ``--steps`` steps each.
+    Target: ratio <= 1.02.
 (b) a BERT-base-like stack of dense + layer-norm blocks trained with Adam, rewritten into 4
     replicas; seconds for the rewrite at several op counts. Target: < 10 s at ~10k ops.
+(c) the same two models in plain TF with the model on a second CPU device (``CPU:1``) while the
+    iterator stays on ``CPU:0`` -- where epl used to put a lone device whenever it placed ops
+    explicitly (several workers, micro-batches); epl now uses ``CPU:0`` itself.
 """
 import argparse
 import os
@@ -26,22 +31,34 @@ from epl.runtime import driver  # noqa: E402
 tf.disable_v2_behavior()
 
 
-def quickstart_session(use_epl):
+SIZES = {"~0.5 ms": dict(batch=10, widths=(2,), features=20),
+         "~10 ms": dict(batch=256, widths=(512, 512, 512), features=512)}
+
+
+def quickstart_session(use_epl, size="~0.5 ms", model_device=None):
+  """The model of ``size`` trained with momentum; ``model_device`` pins the model (plain TF)."""
+  shape = SIZES[size]
   g = tf.Graph()
   with g.as_default():
     if use_epl:
       epl.init(epl.Config({"cluster.devices_per_worker": 1}))
       epl.set_default_strategy(epl.replicate(1))
     rng = np.random.RandomState(0)
-    num_x = rng.randint(0, 10, (500, 20)).astype(np.float32)
+    num_x = rng.randint(0, 10, (500, shape["features"])).astype(np.float32)
     num_y = rng.randint(0, 10, 500).astype(np.int64)
-    ds = tf.data.Dataset.from_tensor_slices((num_x, num_y)).batch(10).repeat()
+    ds = tf.data.Dataset.from_tensor_slices((num_x, num_y)).batch(shape["batch"]).repeat()
     x, labels = tf.data.make_one_shot_iterator(ds).get_next()
-    logits = tf.layers.dense(tf.layers.dense(x, 2), 10)
-    loss = tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
+    with tf.device(model_device):
+      h = x
+      for width in shape["widths"]:
+        h = tf.layers.dense(h, width, activation=tf.nn.relu if width > 2 else None)
+      logits = tf.layers.dense(h, 10)
+      loss = tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
     step = tf.train.get_or_create_global_step()
-    train = tf.train.MomentumOptimizer(0.001, 0.9).minimize(loss, global_step=step)
-    sess = tf.Session()
+    train = tf.train.MomentumOptimizer(0.001, 0.9).minimize(
+        loss, global_step=step, colocate_gradients_with_ops=True)
+    config = tf.ConfigProto(device_count={"CPU": 2}) if model_device else None
+    sess = tf.Session(config=config)
     sess.run(tf.global_variables_initializer())
   fetches = [loss, train, step]
   for _ in range(50):                                   # warm-up
@@ -56,18 +73,33 @@ def time_steps(sess, fetches, steps):
   return (time.perf_counter() - start) / steps
 
 
-def step_overhead(repeats, steps):
-  plain = quickstart_session(False)
-  dist = quickstart_session(True)
-  t_plain, t_epl = [], []
+def interleaved(sessions, repeats, steps):
+  """Median seconds per step of each (sess, fetches), measured in interleaved repeats."""
+  times = [[] for _ in sessions]
   for _ in range(repeats):
-    t_plain.append(time_steps(*plain, steps))
-    t_epl.append(time_steps(*dist, steps))
-  mp, me = statistics.median(t_plain), statistics.median(t_epl)
-  print("(a) step time, quick-start MLP, %d interleaved repeats x %d steps:" % (repeats, steps))
-  print("    plain TF %.1f us/step, epl (1 replica) %.1f us/step, ratio epl/plain = %.3f "
-        "(target <= 1.02)" % (mp * 1e6, me * 1e6, me / mp))
-  return me / mp
+    for i, s in enumerate(sessions):
+      times[i].append(time_steps(*s, steps))
+  return [statistics.median(t) for t in times]
+
+
+def step_overhead(repeats, steps):
+  print("(a) step time, epl (1 replica, 1 device) vs plain TF, %d interleaved repeats:" % repeats)
+  for size in SIZES:
+    n = steps if size == "~0.5 ms" else max(10, steps // 20)
+    mp, me = interleaved([quickstart_session(False, size), quickstart_session(True, size)],
+                         repeats, n)
+    print("    %-7s step: plain TF %8.1f us, epl %8.1f us, ratio epl/plain = %.3f "
+          "(target <= 1.02)" % (size, mp * 1e6, me * 1e6, me / mp))
+
+
+def device_hop(repeats, steps):
+  print("(c) one device: model on CPU:0 (epl now) vs on a second CPU device (epl before):")
+  for size in SIZES:
+    n = steps if size == "~0.5 ms" else max(10, steps // 20)
+    same, hop = interleaved([quickstart_session(False, size),
+                             quickstart_session(False, size, "/device:CPU:1")], repeats, n)
+    print("    %-7s step: CPU:0 %8.1f us, CPU:1 %8.1f us, the hop costs %.1f us (ratio %.3f)"
+          % (size, same * 1e6, hop * 1e6, (hop - same) * 1e6, hop / same))
 
 
 def bert_like(layers, hidden=64, ffn=256):
@@ -117,6 +149,7 @@ def main():
   p.add_argument("--sizes", default="2500,5000,10500")
   args = p.parse_args()
   step_overhead(args.repeats, args.steps)
+  device_hop(args.repeats, args.steps)
   print("(b) rewrite time, BERT-like dense + layer-norm stack, Adam, 4 replicas:")
   rows = []
   for size in [int(s) for s in args.sizes.split(",")]:

@@ -20,9 +20,11 @@ Two kinds of things live here:
                                              builds init/ready/saver ops from it
     ops.Graph.finalize                       rewrite before a user finalizes the graph
     session.BaseSession.__init__             add epl's devices/threads to the ConfigProto
-    session.BaseSession.run                  rewrite before the first step; map fetches (mean
-                                             of a replicated loss); copy replica 0's variables
-                                             to the other replicas after init/restore runs
+    session.BaseSession.run                  rewrite before the first step; spread the step
+                                             over the copies (feeds, fetches); copy replica 0's
+                                             variables to the others after init/restore runs;
+                                             refuse a graph annotated elsewhere (never silently
+                                             local)
     training.saver.Saver.save                only the chief writes checkpoints, even when every
                                              worker's script passes is_chief=True
     summary.writer.FileWriter.add_event      only the chief writes summaries (add_summary
@@ -162,6 +164,8 @@ def _session_run_hook(original):
   def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     if _manages(self.graph):
       return _listener.run(self, original, fetches, feed_dict, options, run_metadata)
+    if _listener is not None:
+      _listener.unmanaged_run(self.graph)
     return original(self, fetches, feed_dict, options, run_metadata)
   return run
 

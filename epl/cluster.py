@@ -1,7 +1,9 @@
 """The device mesh of a job: workers x accelerators, read once at ``epl.init``.
 
 A worker's accelerators are its GPUs, or, on a machine without GPUs, ``devices_per_worker``
-virtual CPU devices ``CPU:1..N`` (``CPU:0`` stays the host, as on a GPU box). ``TF_CONFIG``
+virtual CPU devices ``CPU:1..N`` (``CPU:0`` stays the host, as on a GPU box) -- except a lone
+one, which is ``CPU:0`` itself: a second CPU device would only add a host <-> device copy of
+every batch (bench/overhead.py measures it). ``TF_CONFIG``
 is parsed the way EPL did: ``chief`` hosts first (chief = worker 0), then ``worker`` hosts,
 then ``ps`` hosts as extra workers; everything runs as job ``worker``.
 
@@ -81,6 +83,8 @@ class Cluster:
     assert 0 <= index < self.gpu_num_per_worker, index
     if self.has_gpu:
       return "%s/device:GPU:%d" % (self._prefix(worker), index)
+    if self.gpu_num_per_worker == 1:
+      return self.host(worker)
     return "%s/device:CPU:%d" % (self._prefix(worker), index + 1)
 
   def devices_of(self, worker):
@@ -95,7 +99,9 @@ class Cluster:
 
   def session_device_count(self):
     """``ConfigProto.device_count`` this worker needs (virtual CPU devices + host)."""
-    return {} if self.has_gpu else {"CPU": self.gpu_num_per_worker + 1}
+    if self.has_gpu:
+      return {}
+    return {"CPU": 1 if self.gpu_num_per_worker == 1 else self.gpu_num_per_worker + 1}
 
   def __str__(self):
     kind = "GPU" if self.has_gpu else "virtual CPU"

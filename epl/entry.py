@@ -93,13 +93,23 @@ def _configure_logging(config, cluster):
 
 
 def _state():
-  """epl's state for the graph being built (the default graph)."""
+  """epl's state for the graph being built (the default graph).
+
+  ``epl.init()`` at the top of a notebook and the model inside ``with tf.Graph().as_default():``
+  is fine: an annotation made in another graph while epl's graph is still untouched moves epl
+  to that graph.
+  """
   state = Env.get()._state  # pylint: disable=protected-access
   graph = tf.get_default_graph()
   if graph is not state.graph:
+    if state.untouched and not state.recorder.specs and not state.collections:
+      log.debug("epl moves to the graph the model is built in (epl.init's graph is empty)")
+      state.bind(graph)
+      return state
     raise RuntimeStateError(
-        "epl was initialised for another graph; call epl.init() inside "
-        "`with graph.as_default():` of the graph you build")
+        "epl.init() was called for another graph, which already has %s; call epl.init() "
+        "inside `with graph.as_default():` of the graph you build" % (
+            "epl annotations" if state.recorder.specs else "ops"))
   return state
 
 

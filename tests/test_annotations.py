@@ -198,3 +198,39 @@ def test_fed_batch_with_fewer_rows_than_copies_is_refused():
                          r"this worker's 2 model copies x 1 micro-batch\(es\) \(2\): a training "
                          r"run needs at least one row per copy and micro-batch"):
         sess.run(train, {x: np.ones([1, 4])})
+
+
+def test_notebook_layout_init_first_then_the_model_in_a_new_graph():
+  """epl.init() at the top, the model (with its annotation) in `with tf.Graph().as_default()`:
+  epl moves to the graph the model is built in."""
+  epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+  g = tf.Graph()
+  with g.as_default():
+    with epl.replicate(1):
+      x = tf.placeholder(tf.float32, [None, 4], name="x")
+      loss = tf.reduce_mean(tf.layers.dense(x, 1))
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train, {x: np.ones([4, 4])})
+      assert epl.Graph.get().num_copies == 2
+
+
+def test_annotations_in_an_empty_graph_and_the_model_elsewhere_is_refused():
+  with tf.Graph().as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1, name="everything"))
+  g = tf.Graph()
+  try:
+    with g.as_default():
+      x = tf.placeholder(tf.float32, [None, 4], name="x")
+      tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.layers.dense(x, 1)))
+      with tf.Session() as sess:
+        with pytest.raises(epl.EplError, match=r"this session runs a graph epl does not "
+                           r"manage, while the epl annotations \('everything' at "
+                           r"test_annotations.py:\d+\) were made for another graph that has "
+                           r"no model: the model would train as the plain local script"):
+          sess.run(tf.global_variables_initializer())
+  finally:
+    with tf.Graph().as_default():
+      epl.init(epl.Config())                 # the other tests start from a usable epl

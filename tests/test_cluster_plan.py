@@ -67,3 +67,10 @@ def test_placement_transitions_table():
   assert bridge(Replicate(1), Split(4)).backward == "reduce_scatter"
   assert bridge(Split(2), Split(2)).forward == "all_to_all"
   assert str(Split(4)) == "split(device_count=4)"
+
+
+def test_a_lone_virtual_device_is_the_host_itself():
+  c = Cluster.local(devices_per_worker=1, has_gpu=False)
+  assert c.devices_of(0) == ("/device:CPU:0",) and c.session_device_count() == {"CPU": 1}
+  spread = Cluster(("a:1", "b:2"), 0, 1, False)
+  assert spread.device(1, 0) == "/job:worker/replica:0/task:1/device:CPU:0"

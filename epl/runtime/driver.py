@@ -34,6 +34,9 @@ def rewrite(state):
     return state.parallel
   start = time.time()
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
+  if plan.is_local:
+    log.info("no epl.replicate / epl.split annotation: the graph runs as the local script "
+             "(one copy)")
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel
   merges = pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1)

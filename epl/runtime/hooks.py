@@ -4,9 +4,11 @@
 dispatcher reads only that state (no global lookups).
 """
 import logging
+import weakref
 
 import tensorflow.compat.v1 as tf
 
+from epl.errors import RuntimeStateError
 from epl.io_slicing import assign_files
 from epl.op_tables import VARIABLE_OPS
 from epl.runtime import driver, faults
@@ -22,6 +24,8 @@ class Dispatcher:
   def __init__(self, state):
     self.state = state
     self.retried_steps = 0
+    self._plain = False
+    self._told = weakref.WeakSet()     # unmanaged graphs already checked
 
   def manages(self, graph):
     return graph is self.state.graph
@@ -57,6 +61,23 @@ class Dispatcher:
       if g is not None and var_op is not None:
         self.state.recorder.gradients.append((g, var_op))
 
+  def unmanaged_run(self, graph):
+    """A session runs a graph epl does not manage: refuse it when the epl annotations went
+    to an empty graph (the model would silently train as the local script)."""
+    if graph in self._told:
+      return
+    self._told.add(graph)
+    state = self.state
+    if state.recorder.specs and state.untouched:
+      raise RuntimeStateError(
+          "this session runs a graph epl does not manage, while the epl annotations (%s) were "
+          "made for another graph that has no model: the model would train as the plain local "
+          "script. Build the model in the graph epl.init() was called for, or call epl.init() "
+          "and the annotations inside `with graph.as_default():` of this graph" % ", ".join(
+              "%r at %s" % (s.name, s.location) for s in state.recorder.specs))
+    log.debug("this session runs a graph epl.init() was not called for: it runs as the plain "
+             "script")
+
   def before_session(self, graph):
     self._rewrite()
 
@@ -77,9 +98,13 @@ class Dispatcher:
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
+    if self._plain:                       # one copy, one worker: the local script's step
+      return original(session, fetches, feed_dict, options, run_metadata)
     state = self.state
     pg = state.parallel if state.parallel is not None else self._rewrite()
     plan = pg.plan
+    if plan.total_copies == 1 and plan.worker_num == 1 and state.fetch_mapper is None:
+      self._plain = True
     if plan.total_copies > 1 or plan.worker_num > 1:
       options = step_deadline(options, plan.communication.timeout)
     if plan.worker_num == 1:

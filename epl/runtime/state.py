@@ -11,12 +11,22 @@ class GraphState:
   and, once rewritten, the ParallelGraph and the runtime helpers built for it."""
 
   def __init__(self, graph, config, cluster):
-    self.graph = graph
     self.config = config
     self.cluster = cluster
-    self.recorder = Recorder(graph)
+    self.bind(graph)
     self.parallel = None        # epl.runtime.parallel_graph.ParallelGraph once rewritten
     self.collections = {}       # epl.add_to_collection: key -> [tensor]
     self.server = None          # this worker's tf.train.Server in a multi-worker job
     self.fetch_mapper = None    # epl.runtime.fetch.FetchMapper when copies merge
     self.feeds = None           # epl.runtime.feeds.FeedSplitter alongside it
+
+  def bind(self, graph):
+    """Manages ``graph`` from now on (before anything was recorded for another one)."""
+    self.graph = graph
+    self.recorder = Recorder(graph)
+    self.version_at_init = graph.version
+
+  @property
+  def untouched(self):
+    """Nothing recorded and no op built since epl.init: the model went elsewhere, or not yet."""
+    return self.graph.version == self.version_at_init
