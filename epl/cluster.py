@@ -13,12 +13,22 @@ Example:
   ('/device:CPU:1', '/device:CPU:2')
 """
 import dataclasses
+import ipaddress
 import json
+import re
+import socket
 from typing import Tuple
 
 from epl.errors import PlanError
 
 JOB = "worker"
+_TASK = re.compile(r"/task:(\d+)")
+
+
+def worker_of(device):
+  """The task index in a device name (0 for a local name without a job)."""
+  found = _TASK.search(device)
+  return int(found.group(1)) if found else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +133,7 @@ def parse_tf_config(text):
   hosts = chief + workers + ps
   if not hosts:
     raise PlanError("TF_CONFIG has no 'chief', 'worker' or 'ps' hosts: %s" % text)
-  dup = sorted({h for h in hosts if hosts.count(h) > 1})
-  if dup:
-    raise PlanError("TF_CONFIG lists %s more than once; every task needs its own host:port" %
-                    ", ".join(dup))
+  _refuse_duplicates(hosts, resolve=_addresses)
   kind, index = task.get("type", "worker"), task.get("index", 0)
   offsets = {"chief": 0, "worker": len(chief), "ps": len(chief) + len(workers)}
   sizes = {"chief": len(chief), "worker": len(workers), "ps": len(ps)}
@@ -136,3 +143,33 @@ def parse_tf_config(text):
     raise PlanError("TF_CONFIG task index %r is out of range: the cluster has %d %r task(s)"
                     % (index, sizes[kind], kind))
   return tuple(hosts), offsets[kind] + index
+
+
+def _addresses(host):
+  """The IP addresses ``host`` names; every loopback address counts as one ("loopback")."""
+  try:
+    infos = socket.getaddrinfo(host, None)
+  except OSError:
+    return {host.lower()}
+  found = set()
+  for info in infos:
+    ip = ipaddress.ip_address(info[4][0].split("%")[0])
+    found.add("loopback" if ip.is_loopback else str(ip))
+  return found or {host.lower()}
+
+
+def _refuse_duplicates(hosts, resolve):
+  """Two tasks naming one server (``localhost:2222`` and ``127.0.0.1:2222``) would make the
+  collective group leader talk to itself: refuse that before any server starts."""
+  seen = []
+  for index, entry in enumerate(hosts):
+    host, _, port = entry.rpartition(":")
+    addresses = resolve(host.strip("[]") or "localhost")
+    for other, (other_port, other_addresses) in enumerate(seen):
+      if port == other_port and addresses & other_addresses:
+        raise PlanError(
+            "TF_CONFIG names one server twice: task %d %r and task %d %r are the same address "
+            "(%s); every task needs its own host:port" % (
+                other, hosts[other], index, entry, sorted(addresses & other_addresses)[0]))
+    seen.append((port, addresses))
+

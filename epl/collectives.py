@@ -31,21 +31,13 @@ Example:
   >>> reduced = coll.all_reduce([t0, t1], ["/device:CPU:1", "/device:CPU:2"], "mean")
 """
 import logging
-import re
 
 import tensorflow.compat.v1 as tf
 from tensorflow.python.ops import collective_ops
 
+from epl.cluster import worker_of
+
 log = logging.getLogger("epl")
-
-_TASK = re.compile(r"/task:(\d+)")
-
-
-def worker_of(device):
-  """The task index in a device name (0 for a local name without a job)."""
-  found = _TASK.search(device)
-  return int(found.group(1)) if found else 0
-
 
 def _by_worker(group):
   """[(worker, its devices in group order)], workers in group order."""

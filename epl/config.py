@@ -73,6 +73,11 @@ KEYS = {k.name: k for k in [
     _k("io.unbalanced_io_slicing", "bool", False),
     _k("io.drop_last_files", "bool", False),
     _k("auto.auto_parallel", "bool", False, built=False),
+    _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
+    _k("launch.parent_pid", "int", 0,
+       help="set by epl-launch: the worker stops when this process (the launcher) is gone"),
+    _k("log.progress_secs", "int", 30, minimum=0,
+       help="worker 0 logs steps/s and samples/s this often (0: off)"),
     _k("log.level", "str", "info", ("debug", "info", "warning", "error"),
        help="epl's own messages (plan, passes, collectives at debug); epl-launch --debug"),
 ]}
@@ -129,10 +134,13 @@ def _parse(key, value, from_env):
   raise AssertionError(key.kind)
 
 
-def _unknown(name):
+def _unknown(name, env_name=None):
   hint = closest(name, KEYS)
   fix = "did you mean %r?" % hint if hint else "see docs/configuration.md for the keys"
-  return ConfigError("Unknown epl config key %r: %s" % (name, fix))
+  if env_name and hint:
+    fix = "did you mean %r (environment variable %s)?" % (hint, KEYS[hint].env_name)
+  source = " (from environment variable %s)" % env_name if env_name else ""
+  return ConfigError("Unknown epl config key %r%s: %s" % (name, source, fix))
 
 
 class Config:
@@ -159,19 +167,22 @@ class Config:
       if var.startswith("EPL_") and var not in _ENV_NAMES and var.count("_") >= 2:
         section = var[4:].split("_", 1)[0].lower()
         if section in _SECTIONS:
-          raise _unknown(var[4:].lower().replace("_", ".", 1) + " (environment variable %s)" % var)
+          raise _unknown(var[4:].lower().replace("_", ".", 1), env_name=var)
     values = {}
     for name, key in KEYS.items():
+      from_env = name not in param_dict and key.env_name in environ
       if name in param_dict:
         value = _parse(key, param_dict[name], from_env=False)
-      elif key.env_name in environ:
+      elif from_env:
         value = _parse(key, environ[key.env_name], from_env=True)
       else:
         value = key.default
       if not key.built and value != key.default:
         raise NotImplementedYetError(
-            "Config key %r=%r: this feature is not implemented yet in epl; remove the key "
-            "(default %r)." % (name, value, key.default))
+            "Config key %r=%r%s: this feature is not implemented yet in epl; remove the %s "
+            "(default %r)." % (name, value,
+                               " (from environment variable %s)" % key.env_name if from_env
+                               else "", "variable" if from_env else "key", key.default))
       values[name] = value
     object.__setattr__(self, "_values", values)
     for section in _SECTIONS:

@@ -17,7 +17,7 @@ from epl.collections_api import check_key
 from epl.config import Config
 from epl.env import Env
 from epl.errors import RuntimeStateError
-from epl.runtime import driver
+from epl.runtime import driver, watchdog
 from epl.runtime.hooks import Dispatcher
 from epl.runtime.state import GraphState
 
@@ -65,10 +65,15 @@ def init(config=None):
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
     from epl.runtime import server
-    state.server = server.start_server(cluster)
-    server.barrier(state.server, cluster, config.cluster.startup_timeout,
-                   instance=server.next_barrier())
+    limit = config.cluster.startup_timeout
+    with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
+                           "cluster.startup_timeout=%d s (+15 s); stopping" % (
+                               cluster.worker_index, limit)):
+      state.server = server.start_server(cluster)
+      server.barrier(state.server, cluster, limit, instance=server.next_barrier())
   activate(state)
+  if config.launch.parent_pid:
+    watchdog.watch_launcher(config.launch.parent_pid)
   log.debug("epl.init: %s, %r", cluster, config)
   return Env.get()
 

@@ -35,7 +35,9 @@ def test_tf_config_chief_worker_ps_order():
 
 
 @pytest.mark.parametrize("conf,message", [
-    ({"cluster": {"worker": ["a:1", "a:1"]}, "task": {"index": 0}}, "more than once"),
+    ({"cluster": {"worker": ["a:1", "a:1"]}, "task": {"index": 0}}, "names one server twice"),
+    ({"cluster": {"worker": ["localhost:2222", "127.0.0.1:2222"]}, "task": {"index": 1}},
+     r"task 0 'localhost:2222' and task 1 '127.0.0.1:2222' are the same address \(loopback\)"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}, "out of range"),
     ({"cluster": {}, "task": {}}, "no 'chief'"),
 ])

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from epl.collectives import Collectives, worker_of
+from epl.cluster import worker_of
+from epl.collectives import Collectives
 
 
 def _run(build, devices):

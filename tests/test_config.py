@@ -49,8 +49,14 @@ def test_unknown_key_suggests_closest():
 
 
 def test_unknown_env_key_is_an_error():
-  with pytest.raises(ConfigError, match="EPL_PIPELINE_NUM_MICROBATCH"):
+  with pytest.raises(ConfigError, match=r"Unknown epl config key 'pipeline.num_microbatch' "
+                     r"\(from environment variable EPL_PIPELINE_NUM_MICROBATCH\): did you mean "
+                     r"'pipeline.num_micro_batch' \(environment variable "
+                     r"EPL_PIPELINE_NUM_MICRO_BATCH\)\?"):
     Config(environ={"EPL_PIPELINE_NUM_MICROBATCH": "2"})
+  with pytest.raises(epl.errors.NotImplementedYetError, match=r"'zero.level'='v1' \(from "
+                     r"environment variable EPL_ZERO_LEVEL\): .* remove the variable"):
+    Config(environ={"EPL_ZERO_LEVEL": "v1"})
 
 
 def test_wrong_type_names_key_value_and_expectation():

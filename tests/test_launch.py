@@ -77,3 +77,28 @@ def test_io_file_assignment():
     assign_files(files[:5], 2, 0)
   with pytest.raises(PlanError, match=r"1 file\(s\) cannot be shared by 2 workers"):
     assign_files(files[:1], 2, 0)
+
+
+def test_exit_descriptions_and_console_filter():
+  from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
+  assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exit code 3"
+  noise = NoiseFilter()
+  kept = [line for line in [
+      "E0000 00:00:1 cuda_platform.cc:52] failed call to cuInit: INTERNAL",
+      "I0000 00:00:1 port.cc:153] oneDNN custom operations are on.",
+      "/x.py:3: UserWarning: `tf.layers.dense` is deprecated and will be removed.",
+      "  h = tf.layers.dense(x, 16)",
+      "Iteration 1 , Loss: 2.3 .",
+      "E0000 00:00:1 base_collective_executor.cc:252] StartAbort UNAVAILABLE",
+  ] if noise.keep(line)]
+  assert kept == ["Iteration 1 , Loss: 2.3 .",
+                  "E0000 00:00:1 base_collective_executor.cc:252] StartAbort UNAVAILABLE"]
+  assert NoiseFilter(debug=True).keep("I0000 00:00:1 port.cc:153] oneDNN")
+  assert prefixed(3, "hello") == "[3] hello\n"
+  log = "\n".join(["step 1", "Traceback (most recent call last):", '  File "a.py", line 1',
+                   "ValueError: first", "", "The above exception was the direct cause of the "
+                   "following exception:", "", "Traceback (most recent call last):",
+                   '  File "b.py", line 2', "PeerError: lost worker 1"])
+  tb = last_traceback(log)
+  assert tb.startswith("Traceback") and "ValueError: first" in tb and tb.endswith(
+      "PeerError: lost worker 1")

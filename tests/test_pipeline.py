@@ -79,3 +79,22 @@ def test_recorded_execution_order_follows_the_schedule(strategy):
     for a, b in zip(order, order[1:]):          # an action starts after the previous ended
       assert last[a] <= min(start[op.name] for n, ops in actions if n == b
                             for op in ops if op.name in start)
+
+
+def test_a_step_does_not_run_forward_ops_its_gradients_do_not_need():
+  """A metric fed by its own placeholder (an eval threshold, a vote) must not become part of
+  the schedule: the training step would demand its feed."""
+  data = models.regression_data(64)
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(cfg(2, 4))
+    x, y = tf.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(data).batch(4).repeat()).get_next()
+    loss = models.mlp_two_stages(x, y, lambda i: epl.replicate(1, name="stage_%d" % i))
+    threshold = tf.placeholder(tf.float32, [], name="threshold")
+    above = tf.reduce_mean(tf.cast(loss > threshold, tf.float32))       # a metric
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train)                                    # no feed needed
+      assert sess.run(above, {threshold: 0.0}) == 1.0

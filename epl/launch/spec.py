@@ -103,13 +103,14 @@ def settings_from_args(args, pick_ports=free_ports):
                   args.log_dir, args.debug, args.script, tuple(args.script_args))
 
 
-def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0):
+def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, launcher_pid=None):
   """The argv and environment of each worker this launcher starts (pure).
 
   Args:
     settings: the launch Settings.
     base_env: the environment to extend (os.environ).
     gpus_on_host: GPUs visible on this host; workers sharing a host get disjoint slices.
+    launcher_pid: this launcher's pid (workers stop when it is gone).
   """
   specs = []
   interpreter = [python] if settings.script.endswith(".py") else ["bash"]
@@ -122,6 +123,8 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0):
                                    "task": {"type": "worker", "index": index}})
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(settings.gpu_per_worker)
     env["EPL_LAUNCH_WORKER_INDEX"] = str(index)
+    if launcher_pid is not None:
+      env["EPL_LAUNCH_PARENT_PID"] = str(launcher_pid)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if settings.debug else "2")
     if settings.debug:
       env["EPL_LOG_LEVEL"] = "debug"         # epl's own DEBUG logs (plan, passes, collectives)

@@ -27,6 +27,23 @@ class Schedule:
   placed: Mapping[Tuple[int, int], List[Tuple[str, list]]]
 
 
+def _needed_for_gradients(ctx, compute):
+  """The compute ops the step's gradients depend on (in order). A forward op they do not
+  need -- a metric, predictions, a summary -- must not join an action: its schedule edge
+  would make every step run it (and demand its feeds)."""
+  get = ctx.graph.get_tensor_by_name
+  work = [get(n).op for g in ctx.plan.gradients for n in g.tensors if n]
+  members, needed = set(compute), set()
+  while work:
+    op = work.pop()
+    if op in needed or op not in members:
+      continue
+    needed.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return [op for op in compute if op in needed]
+
+
 def _downstream_of_switches(ops):
   """Ops that may be dead in a step: what a Switch output feeds, up to the Merge (the cond's
   pivots ``switch_t`` / ``switch_f`` are built outside its context, and one is always dead)."""
@@ -49,7 +66,7 @@ def schedule(ctx):
   if plan.num_micro_batch == 1:
     return Schedule({})
   clones = ctx.clones()
-  compute = compute_ops(ctx.result("analyze"), ctx.phase)
+  compute = _needed_for_gradients(ctx, compute_ops(ctx.result("analyze"), ctx.phase))
   by_action = {}
   for op in compute:
     kind = "F" if ctx.phase.get(op) == "forward" else "B"

@@ -15,9 +15,9 @@ Example:
 import dataclasses
 import functools
 import json
-import re
 from typing import Dict, Mapping, Tuple
 
+from epl.cluster import worker_of
 from epl.plan.placement import Placement, placement_from_dict
 
 PHASES = ("forward", "backward", "apply")
@@ -183,9 +183,6 @@ def _plain(value):
   return value
 
 
-_TASK = re.compile(r"/task:(\d+)")
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerView:
   """One worker's view of a ``ParallelPlan``: the copies it drives (local copy c is
@@ -229,6 +226,6 @@ class WorkerView:
 
   def remote_tasks(self):
     """Tasks (other than this one) whose devices this worker's copies use."""
-    tasks = {int(m) for c in self.copies for devs in c.devices for d in devs
-             for m in _TASK.findall(d)}
+    tasks = {worker_of(d) for c in self.copies for devs in c.devices for d in devs
+             if "/task:" in d}
     return sorted(tasks - {self.index})

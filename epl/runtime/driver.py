@@ -6,13 +6,13 @@ graph -- whichever comes first. Ops created after it are not part of the paralle
 saver and summary ops may be).
 """
 import logging
-import socket
 import time
 
 import epl.passes
 from epl import _tf_compat as compat
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
+from epl.runtime import serve
 from epl.runtime.feeds import FeedSplitter
 from epl.runtime.fetch import FetchMapper
 from epl.runtime.parallel_graph import ParallelGraph
@@ -34,15 +34,16 @@ def rewrite(state):
     return state.parallel
   start = time.time()
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
-  if plan.is_local:
-    log.info("no epl.replicate / epl.split annotation: the graph runs as the local script "
-             "(one copy)")
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel
+  if state.server is not None:
+    serve.arrange_goodbye(state, plan)
   merges = pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1)
   state.fetch_mapper = FetchMapper(state.graph, pg, state.collections) if merges else None
   state.feeds = FeedSplitter(pg) if merges else None
   log.debug("rewrite done in %.2f s:\n%s", time.time() - start, pg.format())
+  if state.cluster.worker_index == 0:
+    log.info("%s", pg.summary())
   return pg
 
 
@@ -64,30 +65,3 @@ def run_passes(graph, plan, worker_index):
                 ctx.results[run.__name__])
   return ParallelGraph(plan, graph, ctx.worker, ctx.results, rewritten=True,
                        collectives=ctx.collectives)
-
-
-def serve(state, poll_seconds=1.0):
-  """A worker with no model replica's first stage only serves its devices to the clients.
-
-  Its script stops here: this blocks while the job's clients are alive (their servers accept
-  connections), then ends the process with exit code 0. (A client that fails makes
-  epl-launch stop every worker.)
-  """
-  cluster = state.cluster
-  log.warning("worker %d holds no first stage of a model replica: it serves its devices "
-              "to the clients until the job ends", cluster.worker_index)
-  clients = [cluster.worker_hosts[w] for w in state.parallel.plan.clients] or \
-      [cluster.worker_hosts[0]]
-  while any(_accepts(address) for address in clients):
-    time.sleep(poll_seconds)
-  log.warning("worker %d: the clients are gone; the job has ended", cluster.worker_index)
-  raise SystemExit(0)
-
-
-def _accepts(address):
-  host, port = address.rsplit(":", 1)
-  try:
-    with socket.create_connection((host, int(port)), timeout=2):
-      return True
-  except OSError:
-    return False

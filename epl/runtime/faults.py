@@ -8,11 +8,17 @@ its peers' collectives again: it spins, or waits in the start-up broadcast while
 the step. So epl raises ``PeerError`` (not recoverable) instead, after checking which peers
 still accept connections.
 """
+import logging
+import os
 import socket
+import threading
+import time
 
 import tensorflow.compat.v1 as tf
 
 from epl.errors import EplError
+
+log = logging.getLogger("epl")
 
 LOST = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError,
         tf.errors.CancelledError)
@@ -78,3 +84,58 @@ def peer_error(error, cluster, timeout):
   return PeerError(
       "epl worker %d stops: %s. The job cannot continue without every worker; restart it "
       "(from the last checkpoint)." % (me, what))
+
+
+class PeerWatch:
+  """Ends a worker whose step waits on a peer that is gone.
+
+  Some waits never fail by themselves: in a ring, the worker whose buffer a dead peer was to
+  fetch waits until the step deadline (``communication.collective_timeout``). While a step has
+  run for ``check_after`` seconds, one daemon thread checks every ``interval`` that every peer
+  still accepts connections; a peer missing twice in a row is lost: the worker logs the error
+  a failed step would raise and exits with code 1 (the main thread is inside TF; nothing can
+  unwind it). Short steps never trigger a check.
+  """
+
+  def __init__(self, cluster, timeout, check_after=5.0, interval=1.0, exit_fn=os._exit):
+    self._cluster = cluster
+    self._timeout = timeout
+    self._check_after = check_after
+    self._interval = interval
+    self._exit = exit_fn
+    self._since = None
+    self._thread = None
+
+  def __enter__(self):
+    self._since = time.time()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._watch, name="epl-peer-watch", daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._since = None
+    return False
+
+  def _gone(self):
+    me = self._cluster.worker_index
+    return [w for w, h in enumerate(self._cluster.worker_hosts) if w != me and not reachable(h)]
+
+  def _watch(self):
+    missing = set()
+    while True:
+      time.sleep(self._interval)
+      since = self._since
+      if since is None or time.time() - since < self._check_after:
+        missing = set()
+        continue
+      gone = set(self._gone())
+      if gone & missing:
+        error = peer_error(tf.errors.UnavailableError(None, None, "the step waits on it"),
+                           self._cluster, self._timeout)
+        log.error("%s", error)
+        for handler in log.handlers:
+          handler.flush()
+        self._exit(1)
+        return
+      missing = gone

@@ -11,8 +11,9 @@ import tensorflow.compat.v1 as tf
 from epl.errors import RuntimeStateError
 from epl.io_slicing import assign_files
 from epl.op_tables import VARIABLE_OPS
-from epl.runtime import driver, faults
+from epl.runtime import driver, faults, serve
 from epl.runtime.feeds import ALL
+from epl.runtime.progress import Progress, flatten
 from epl.runtime.session_config import session_config
 
 log = logging.getLogger("epl")
@@ -25,6 +26,8 @@ class Dispatcher:
     self.state = state
     self.retried_steps = 0
     self._plain = False
+    self._progress = None         # Progress once rewritten (worker 0, log.progress_secs > 0)
+    self._peers = None            # faults.PeerWatch of a multi-worker job
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
 
   def manages(self, graph):
@@ -82,9 +85,13 @@ class Dispatcher:
     self._rewrite()
 
   def _rewrite(self):
-    pg = driver.rewrite(self.state)
+    state = self.state
+    pg = driver.rewrite(state)
     if pg.worker.serve_only:
-      driver.serve(self.state)
+      serve.serve(state)
+    every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
+    if every and not pg.plan.is_local:
+      self._progress = Progress(pg, every, clients=len(pg.plan.clients))
     return pg
 
   def session_args(self, graph, target, config):
@@ -98,6 +105,21 @@ class Dispatcher:
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
+    progress = self._progress
+    if progress is not None and progress.trains(flatten(session.graph, fetches)):
+      report = progress.due()
+      rows = progress.fed_rows(feed_dict)
+      extra = progress.rows_tensor() if rows is None and report else None
+      if extra is None:
+        result = self._step(session, original, fetches, feed_dict, options, run_metadata)
+      else:
+        result, rows = self._step(session, original, (fetches, extra), feed_dict, options,
+                                  run_metadata)
+      progress.step(rows, report)
+      return result
+    return self._step(session, original, fetches, feed_dict, options, run_metadata)
+
+  def _step(self, session, original, fetches, feed_dict, options, run_metadata):
     if self._plain:                       # one copy, one worker: the local script's step
       return original(session, fetches, feed_dict, options, run_metadata)
     state = self.state
@@ -109,9 +131,12 @@ class Dispatcher:
       options = step_deadline(options, plan.communication.timeout)
     if plan.worker_num == 1:
       return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+    if self._peers is None:
+      self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout)
     try:
       try:
-        return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+        with self._peers:
+          return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
       except tf.errors.AbortedError as e:
         if not faults.is_duplicate_request(e):
           raise
@@ -119,7 +144,8 @@ class Dispatcher:
         log.warning("TensorFlow rejected a step as a duplicate request (a TF request-id "
                     "collision, about once per 100k steps); running the same step again "
                     "(%d so far)", self.retried_steps)
-        return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+        with self._peers:
+          return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
     except faults.LOST as e:
       error = faults.peer_error(e, state.cluster, plan.communication.timeout)
       log.error("%s", error)

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import tensorflow.compat.v1 as tf
 
+from epl.cluster import worker_of
 from epl.passes.context import Clones
 from epl.plan.plan import PHASES, ParallelPlan, WorkerView
 
@@ -76,6 +77,41 @@ class ParallelGraph:
           t.index, t.name, counts["forward"], counts["backward"], counts["apply"],
           ", ".join(self.worker.device_of(c, t.index) for c in range(self.num_copies))))
     return "\n".join(lines)
+
+  def summary(self):
+    """A few lines for the start of a job: workers, copies, micro-batches, gradient sync."""
+    plan = self.plan
+    if plan.is_local:
+      return "plan: no epl.replicate / epl.split annotation: the graph runs as the local " \
+          "script (one copy)"
+    kind = "GPU" if plan.has_gpu else "virtual CPU"
+    per_worker = len({d for c in plan.copies for ds in c.devices for d in ds}) // max(
+        1, plan.worker_num)
+    lines = ["plan: %d worker(s) x %d %s device(s); %d model copies (%d replica(s) x %d "
+             "shard(s)); %s" % (
+                 plan.worker_num, per_worker, kind, plan.total_copies,
+                 len({c.replica for c in plan.copies}), plan.shards,
+                 "%d micro-batches, %s" % (plan.num_micro_batch, plan.pipeline_strategy)
+                 if plan.num_micro_batch > 1 else "1 micro-batch")]
+    for t in plan.taskgraphs:
+      places = ["%s%s" % ("w%d:" % worker_of(d) if plan.worker_num > 1 else "",
+                          d.rsplit("/device:", 1)[-1]) for d in plan.group_of(t.index)]
+      lines.append("  TaskGraph %d %r (%s): copies on %s" % (
+          t.index, t.name, t.placement, ", ".join(places)))
+    sync = self.sync_report
+    if sync is not None and sync.buckets + sync.gathered:
+      lines.append("  gradients: %d variable(s) in %d fused all-reduce(s)%s, %s, clipping "
+                   "%s the all-reduce" % (
+                       sum(len(b) for b in sync.buckets), len(sync.buckets),
+                       ", %d sparse all-gathered" % len(sync.gathered) if sync.gathered else "",
+                       plan.communication.reduce_method,
+                       "after" if plan.communication.clip_after_allreduce else "before"))
+    return "\n".join(lines)
+
+  def draw(self, path):
+    """Draws the plan (workers x devices, TaskGraphs and copies, collectives) to a PNG."""
+    from epl.plan.picture import draw
+    return draw(self.plan, path)
 
   def __str__(self):
     return self.format()

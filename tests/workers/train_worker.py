@@ -1,7 +1,9 @@
 """A checkpointed training run for the fault and resume tests (started by epl-launch).
 
-usage: train_worker.py CKPT_DIR OUT_DIR STEPS SLEEP
-Every worker passes is_chief=True, as EPL's examples do; epl lets only worker 0 write.
+usage: train_worker.py CKPT_DIR OUT_DIR STEPS SLEEP [pipeline]
+Every worker passes is_chief=True, as EPL's examples do; epl lets only worker 0 write. With
+``pipeline`` the model is two stages with 2 micro-batches (on 2 workers x 1 device, worker 1
+only serves).
 """
 import os
 import sys
@@ -17,14 +19,17 @@ import epl  # noqa: E402
 
 def main():
   ckpt, out, steps, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-  env = epl.init()
+  pipeline = sys.argv[5:] == ["pipeline"]
+  env = epl.init(epl.Config({"pipeline.num_micro_batch": 2}) if pipeline else None)
   index = env.cluster.worker_index
   rng = np.random.RandomState(index)
   data = (rng.randn(256, 8).astype(np.float32), rng.randint(0, 4, 256).astype(np.int64))
-  with epl.replicate(1):
+  with epl.replicate(1, name="stage_0"):
     x, y = tf.data.make_one_shot_iterator(
         tf.data.Dataset.from_tensor_slices(data).batch(4).repeat()).get_next()
-    logits = tf.layers.dense(tf.layers.dense(x, 8, activation=tf.nn.relu), 4)
+    hidden = tf.layers.dense(x, 8, activation=tf.nn.relu)
+  with epl.replicate(1, name="stage_1" if pipeline else "stage_0"):
+    logits = tf.layers.dense(hidden, 4)
     loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
   step = tf.train.get_or_create_global_step()
   train = tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)

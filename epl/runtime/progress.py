@@ -1,0 +1,124 @@
+"""Training progress on worker 0: steps/s and samples/s every ``log.progress_secs`` seconds.
+
+A step is a ``session.run`` that trains (its fetches reach an update of the model). Its
+samples follow the batch semantics: the rows fed to batch placeholders, or, with an iterator
+or in-graph inputs, copies x micro-batches x the batch each one reads (measured in the
+reporting step when the batch size is not static). In a multi-worker job the job's rate is
+the worker's times the number of workers that drive copies.
+
+  [epl] step 1200: 9.8 steps/s, 627 samples/s (job: 1254 samples/s)
+"""
+import logging
+import time
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, mutates
+
+log = logging.getLogger("epl")
+
+
+def flatten(graph, fetches):
+  """The graph elements (ops and tensors) of a fetch structure (names resolved)."""
+  if isinstance(fetches, (list, tuple)):
+    return [e for f in fetches for e in flatten(graph, f)]
+  if isinstance(fetches, dict):
+    return [e for f in fetches.values() for e in flatten(graph, f)]
+  if isinstance(fetches, str):
+    try:
+      return [graph.as_graph_element(fetches)]
+    except (KeyError, ValueError, TypeError):
+      return []
+  return [fetches]
+
+
+class Progress:
+  """Counts training steps and logs their rate; ``every`` 0 turns it off."""
+
+  def __init__(self, parallel, every, clients=1, clock=time.time):
+    self.every = every
+    self.clients = clients
+    self._clock = clock
+    self._parallel = parallel
+    self._started = clock()
+    self._steps = self._window_steps = 0
+    self._trains = {}
+    self._rows_tensor = None
+    analysis = parallel.analysis
+    self._batch = {op.outputs[0] for op in analysis.batch_placeholders} if analysis else set()
+    phases = parallel.plan.op_index
+    get = parallel.graph.get_operation_by_name
+    self._update = {get(n) for n, (_, p) in phases.items() if p == "apply"}
+    self._update = {op for op in self._update if mutates(op)}
+    if analysis is not None:
+      self._update |= set(analysis.singletons)
+
+  @property
+  def on(self):
+    return self.every > 0
+
+  def due(self):
+    """True when the next training step should report (and measure its batch)."""
+    return self.on and self._clock() - self._started >= self.every
+
+  def trains(self, elements):
+    return any(self._reaches_update(e) for e in elements)
+
+  def _reaches_update(self, element):
+    op = element if isinstance(element, tf.Operation) else getattr(element, "op", None)
+    if op is None:
+      return False
+    if op not in self._trains:
+      found, seen, work = False, set(), [op]
+      while work and not found:
+        x = work.pop()
+        if x in seen:
+          continue
+        seen.add(x)
+        found = x in self._update
+        work.extend(t.op for t in x.inputs)
+        work.extend(x.control_inputs)
+      self._trains[op] = found
+    return self._trains[op]
+
+  def fed_rows(self, feed_dict):
+    """Rows fed to batch placeholders in this run (None when none are fed)."""
+    rows = [np.shape(v)[0] for k, v in (feed_dict or {}).items()
+            if getattr(k, "op", None) is not None and k in self._batch and np.ndim(v)]
+    return max(rows) if rows else None
+
+  def rows_tensor(self):
+    """A scalar tensor: the rows every copy and micro-batch read this step (cached)."""
+    if self._rows_tensor is None:
+      pg = self._parallel
+      inputs = [op for op in pg.analysis.cloned
+                if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS] if pg.analysis else []
+      if not inputs:
+        return None
+      first = inputs[0].outputs[0]
+      clones = pg.clones() if pg.replication is not None else None
+      pieces = [t for t in (clones.every(first) if clones else [first]) if t is not None]
+      with compat.unfinalized(pg.graph), pg.graph.as_default(), tf.name_scope(None), \
+          tf.control_dependencies(None), tf.device(pg.worker.host):
+        self._rows_tensor = tf.add_n([tf.shape(t)[0] for t in pieces], name="epl_step_rows")
+    return self._rows_tensor
+
+  def step(self, rows, report):
+    """Counts one training step of ``rows`` samples (None: unknown); logs when ``report``
+    (``due()`` asked before the step ran, so that it could measure its batch)."""
+    self._steps += 1
+    self._window_steps += 1
+    if not report:
+      return
+    now = self._clock()
+    seconds = now - self._started
+    rate = self._window_steps / max(seconds, 1e-9)
+    text = "step %d: %.1f steps/s" % (self._steps, rate)
+    if rows:
+      text += ", %.0f samples/s" % (rate * rows)
+      if self.clients > 1:
+        text += " (job: %.0f samples/s)" % (rate * rows * self.clients)
+    log.info("%s", text)
+    self._started, self._window_steps = now, 0

@@ -1,0 +1,97 @@
+"""Serve-only workers, and how they tell a finished job from a lost client.
+
+A worker that holds no model replica's first stage only serves its devices to the clients
+(the workers whose sessions drive the copies): its script stops in ``serve`` until the
+clients are gone. A client says goodbye when its process ends normally: it sets a flag
+variable that lives on each serve-only worker (``epl_goodbye/client_<c>``). A serve-only
+worker whose clients are all gone exits 0 when each said goodbye, and otherwise stops with an
+error naming the client it lost.
+"""
+import atexit
+import logging
+import sys
+import time
+
+import tensorflow.compat.v1 as tf
+from tensorflow.python.ops import state_ops
+
+from epl import _tf_compat as compat
+from epl.runtime.faults import PeerError, reachable
+from epl.runtime.server import session_target_config
+
+log = logging.getLogger("epl")
+
+
+def _flag(device, client):
+  with tf.device(device):
+    return state_ops.variable_op_v2([], tf.bool, name="epl_goodbye/client_%d" % client)
+
+
+def _serving_workers(plan):
+  return [w for w in range(plan.worker_num) if w not in plan.clients]
+
+
+def arrange_goodbye(state, plan):
+  """On a client with serve-only peers: set their flags when this process ends normally."""
+  servers = _serving_workers(plan)
+  me = state.cluster.worker_index
+  if not servers or me not in plan.clients:
+    return
+  graph = state.graph
+  with compat.unfinalized(graph), graph.as_default(), tf.name_scope(None), \
+      tf.control_dependencies(None):
+    goodbye = tf.group(*[tf.assign(_flag(state.cluster.host(w), me), True,
+                                   validate_shape=False) for w in servers])
+  failed = []
+  previous_hook = sys.excepthook
+
+  def excepthook(kind, value, tb):
+    failed.append(kind)
+    previous_hook(kind, value, tb)
+  sys.excepthook = excepthook
+
+  def say_goodbye():
+    if failed:
+      return
+    config = session_target_config(state.cluster, tf.ConfigProto())
+    config.device_filters.extend("/job:worker/task:%d" % w for w in servers)
+    try:
+      with tf.Session(state.server.target, graph=graph, config=config) as sess:
+        sess.run(goodbye, options=tf.RunOptions(timeout_in_ms=10000))
+    except tf.errors.OpError as e:                 # a serve-only worker already gone
+      log.debug("goodbye not delivered: %s", e)
+  atexit.register(say_goodbye)
+
+
+def _said_goodbye(state, client):
+  """True when ``client`` set its flag on this worker."""
+  graph = tf.Graph()
+  with graph.as_default():
+    value = tf.identity(_flag(state.cluster.host(state.cluster.worker_index), client))
+  config = session_target_config(state.cluster, tf.ConfigProto())
+  try:
+    with tf.Session(state.server.target, graph=graph, config=config) as sess:
+      return bool(sess.run(value, options=tf.RunOptions(timeout_in_ms=10000)))
+  except tf.errors.OpError:                        # never set: the client did not finish
+    return False
+
+
+def serve(state, poll_seconds=1.0):
+  """Blocks while the job's clients are alive, then ends the process: exit code 0 when every
+  client finished, a PeerError naming the lost one otherwise."""
+  cluster, plan = state.cluster, state.parallel.plan
+  log.warning("worker %d holds no first stage of a model replica: it serves its devices to "
+              "the clients until the job ends", cluster.worker_index)
+  clients = list(plan.clients) or [0]
+  while any(reachable(cluster.worker_hosts[c]) for c in clients):
+    time.sleep(poll_seconds)
+  lost = [c for c in clients if not _said_goodbye(state, c)]
+  if lost:
+    raise PeerError(
+        "epl worker %d stops: lost worker %s: %s no longer accept%s connections and did not "
+        "finish. The job cannot continue without every worker; restart it (from the last "
+        "checkpoint)." % (cluster.worker_index, ", ".join(map(str, lost)),
+                          ", ".join(cluster.worker_hosts[c] for c in lost),
+                          "s" if len(lost) == 1 else ""))
+  log.warning("worker %d: the clients finished; the job has ended", cluster.worker_index)
+  raise SystemExit(0)

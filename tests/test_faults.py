@@ -1,0 +1,177 @@
+"""Faults end every worker with an error, never a hang -- with and without epl-launch."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from epl.launch.spec import free_ports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "tests", "workers", "train_worker.py")
+ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+
+
+def _alive(pid):
+  try:
+    with open("/proc/%d/stat" % pid) as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _start_workers(tmp_path, count, steps=100000, extra=()):
+  """``count`` workers started from TF_CONFIG alone (as a scheduler would), no launcher."""
+  hosts = ["localhost:%d" % p for p in free_ports(count)]
+  procs = []
+  for i in range(count):
+    env = dict(ENV, TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
+                                          "task": {"type": "worker", "index": i}}),
+               EPL_CLUSTER_DEVICES_PER_WORKER="1", EPL_LOG_PROGRESS_SECS="0")
+    procs.append(subprocess.Popen(
+        [sys.executable, TRAIN, str(tmp_path / "ck"), str(tmp_path), str(steps), "0.05"] +
+        list(extra),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+  return procs
+
+
+def _wait_for_steps(procs, lines=3, timeout=120):
+  """Reads worker 0's stdout until it trained ``lines`` steps."""
+  deadline = time.time() + timeout
+  seen = 0
+  while seen < lines and time.time() < deadline:
+    line = procs[0].stdout.readline()
+    if not line:
+      break
+    seen += " step " in line
+  assert seen >= lines, "training did not start: %s" % procs[0].stderr.read()[-2000:]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_killed_peer_ends_every_survivor_without_the_launcher(tmp_path, count):
+  procs = _start_workers(tmp_path, count)
+  try:
+    _wait_for_steps(procs)
+    victim = count - 1
+    killed_at = time.time()
+    procs[victim].send_signal(signal.SIGKILL)
+    for i, p in enumerate(procs):
+      if i == victim:
+        continue
+      _, err = p.communicate(timeout=90)
+      assert time.time() - killed_at < 60, "worker %d took too long" % i
+      assert p.returncode != 0
+      lost = re.search(r"epl worker %d stops: lost worker ([\d, ]+):" % i, err)
+      assert lost and str(victim) in lost.group(1).split(", "), err[-3000:]
+      # one error, not a flood of retries
+      assert err.count("lost worker") <= 3 and len(err.splitlines()) < 400, err[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def test_a_serving_worker_that_loses_its_client_stops_with_an_error(tmp_path):
+  procs = _start_workers(tmp_path, 2, extra=["pipeline"])   # worker 1 only serves stage 1
+  try:
+    _wait_for_steps(procs)
+    killed_at = time.time()
+    procs[0].send_signal(signal.SIGKILL)
+    _, err = procs[1].communicate(timeout=90)
+    assert time.time() - killed_at < 60
+    assert procs[1].returncode != 0
+    assert "epl worker 1 stops: lost worker 0" in err and "did not finish" in err, err[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def test_a_serving_worker_ends_cleanly_when_its_client_finishes(tmp_path):
+  procs = _start_workers(tmp_path, 2, steps=6, extra=["pipeline"])
+  for p in procs:
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err[-3000:]
+  assert "the clients finished; the job has ended" in err
+
+
+def test_a_duplicate_address_in_tf_config_is_refused_before_any_server_starts(tmp_path):
+  port = free_ports(1)[0]
+  env = dict(ENV, TF_CONFIG=json.dumps({
+      "cluster": {"worker": ["localhost:%d" % port, "127.0.0.1:%d" % port]},
+      "task": {"type": "worker", "index": 0}}))
+  start = time.time()
+  out = subprocess.run([sys.executable, "-c", "import epl, tensorflow.compat.v1 as tf;"
+                        "tf.disable_v2_behavior(); epl.init()"], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+  assert out.returncode != 0 and time.time() - start < 30
+  assert "TF_CONFIG names one server twice: task 0 'localhost:%d' and task 1 " \
+      "'127.0.0.1:%d' are the same address" % (port, port) in out.stderr, out.stderr[-2000:]
+  assert "Started server" not in out.stderr
+
+
+def _launch(args, **kwargs):
+  return subprocess.Popen([sys.executable, "-m", "epl.launch.cli"] + args, env=ENV, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path):
+  launcher = _launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                      str(tmp_path / "logs"), os.path.join(ROOT, "tests", "workers",
+                                                           "via_bash.sh"),
+                      TRAIN, str(tmp_path / "ck"), str(tmp_path), "100000", "0.05"])
+  pids = {}
+  deadline = time.time() + 120
+  while len(pids) < 2 and time.time() < deadline:        # the Python grandchildren
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+      try:
+        cmd = open("/proc/%d/cmdline" % pid).read()
+        env = open("/proc/%d/environ" % pid, "rb").read()
+      except OSError:
+        continue
+      if "train_worker.py" in cmd and "via_bash" not in cmd and \
+          ("EPL_LAUNCH_PARENT_PID=%d" % launcher.pid).encode() in env:
+        pids[pid] = True
+    time.sleep(0.5)
+  assert len(pids) == 2, "the workers did not start"
+  time.sleep(3)
+  launcher.kill()
+  launcher.wait()
+  killed_at = time.time()
+  while any(_alive(p) for p in pids) and time.time() - killed_at < 60:
+    time.sleep(0.5)
+  assert not [p for p in pids if _alive(p)], "workers outlived their launcher"
+
+
+def test_the_launcher_leaves_no_process_behind(tmp_path):
+  script = os.path.join(ROOT, "tests", "workers", "lingering.sh")
+  for run in range(10):
+    pid_file = tmp_path / ("pids_%d" % run)
+    pid_file.write_text("")
+    out, err = _launch(["--num_workers", "2", "--log_dir", str(tmp_path / "logs"), script,
+                        str(pid_file)]).communicate(timeout=60)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 4, (pids, err)                     # 2 workers x (sleep + python)
+    assert not [p for p in pids if _alive(p)], "run %d left %s" % (run, pids)
+    assert "worker 0 failed (exit code 3)" in err, err
+
+
+def test_the_peer_watch_ends_only_a_long_step_that_waits_on_a_lost_peer():
+  from epl.cluster import Cluster
+  from epl.runtime.faults import PeerWatch
+  cluster = Cluster(("localhost:1", "localhost:%d" % free_ports(1)[0]), 0, 1, False)
+  exits = []
+  watch = PeerWatch(cluster, 300, check_after=0.3, interval=0.05, exit_fn=exits.append)
+  with watch:                                 # a short step: never checked
+    time.sleep(0.2)
+  time.sleep(0.3)
+  assert exits == []
+  with watch:                                 # a long one that waits on a closed port
+    deadline = time.time() + 5
+    while not exits and time.time() < deadline:
+      time.sleep(0.05)
+  assert exits == [1]
