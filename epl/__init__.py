@@ -9,6 +9,7 @@ Public API (names fixed by EPL's documentation):
   epl.Env.get()                    .config, .cluster
   epl.add_to_collection / epl.get_collection / epl.GraphKeys   merged outputs
   epl.Graph.get()                  introspection of the parallel graph (.format())
+  epl.memory.measure(sess, fetches)   per-device memory of one step (variables + step peak)
 
 ``import epl`` does not import TensorFlow (the names load on first use), so the command-line
 tools answer ``--help`` at once; it sets ``TF_USE_LEGACY_KERAS=1`` if unset, which must happen
@@ -28,7 +29,7 @@ _EXPORTS = {
     "Config": "epl.config", "Env": "epl.env", "EplError": "epl.errors",
     "GraphKeys": "epl.collections_api",
 }
-_SUBMODULES = ("timeline", "testing", "errors", "cluster", "config")
+_SUBMODULES = ("timeline", "testing", "errors", "cluster", "config", "memory")
 
 __all__ = ["init", "Config", "replicate", "split", "set_default_strategy", "Env",
            "add_to_collection", "get_collection", "GraphKeys", "Graph", "EplError"]

@@ -39,15 +39,25 @@ Two kinds of things live here:
 import contextlib
 import functools
 import inspect
+import re
+import threading
 
 from tensorflow.python.client import session as _session
 from tensorflow.python.data.ops import from_tensor_slices_op as _slices
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import op_def_library as _op_def_library
+from tensorflow.python.framework import tensor_shape as _tensor_shape
+from tensorflow.python.ops import array_ops as _array_ops
 from tensorflow.python.ops import gradients_util as _gradients_util
+from tensorflow.python.ops import variable_scope as _variable_scope
+from tensorflow.python.ops import variables as _variables
 from tensorflow.python.training import monitored_session as _monitored_session
 from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
 from tensorflow.python.training import saver as _saver
+
+from epl.sharding import rules as _split_rules
+from epl.sharding import sharded as _sharded
 
 
 # ---- private accessors -----------------------------------------------------------------------
@@ -102,6 +112,28 @@ def _manages(graph):
   return _listener is not None and _listener.manages(graph)
 
 
+_building = threading.local()      # inside tf.gradients / apply_gradients: split rules rest
+
+
+@contextlib.contextmanager
+def _differentiating():
+  depth = getattr(_building, "depth", 0)
+  _building.depth = depth + 1
+  try:
+    yield
+  finally:
+    _building.depth = depth
+
+
+def _split_scope():
+  """The open epl.split scope's rules context, or None (none open, or inside tf.gradients /
+  an optimizer, whose ops follow the forward ops they belong to)."""
+  if _listener is None or getattr(_building, "depth", 0):
+    return None
+  graph = _ops.get_default_graph()
+  return _listener.split_scope(graph) if _manages(graph) else None
+
+
 def _gradients_hook(original):
   helper_sig = inspect.signature(original)
 
@@ -112,7 +144,8 @@ def _gradients_hook(original):
     bound = helper_sig.bind(*args, **kwargs)
     bound.arguments["colocate_gradients_with_ops"] = True
     first = graph.version + 1
-    result = original(*bound.args, **bound.kwargs)
+    with _differentiating():
+      result = original(*bound.args, **bound.kwargs)
     _listener.on_phase(graph, first, graph.version, "backward")
     _listener.on_gradients(graph, bound.arguments["xs"], result)
     return result
@@ -126,7 +159,8 @@ def _apply_hook(original):
       return original(self, grads_and_vars, global_step=global_step, name=name)
     grads_and_vars = tuple(grads_and_vars)
     first = graph.version + 1
-    result = original(self, grads_and_vars, global_step=global_step, name=name)
+    with _differentiating():
+      result = original(self, grads_and_vars, global_step=global_step, name=name)
     _listener.on_phase(graph, first, graph.version, "apply")
     _listener.on_apply(graph, grads_and_vars)
     return result
@@ -155,7 +189,11 @@ def _session_init_hook(original):
   def __init__(self, target="", graph=None, config=None):
     g = graph if graph is not None else _ops.get_default_graph()
     if _manages(g):
-      target, config = _listener.session_args(g, target, config)
+      try:
+        target, config = _listener.session_args(g, target, config)
+      except Exception:
+        self._session = None      # a session refused before TF made one deletes quietly
+        raise
     return original(self, target, graph, config)
   return __init__
 
@@ -199,8 +237,89 @@ def _slices_hook(original):
   return __init__
 
 
+def _apply_op_hook(original):
+  """Inside a split scope, an op that reads a sharded value is built by its split rule."""
+  def apply_op(op_type_name, name=None, **keywords):
+    if op_type_name in _split_rules.RULES and not _sharded.in_rule():
+      scope = _split_scope()
+      if scope is not None:
+        keywords = {k: _whole(v) for k, v in keywords.items()}
+        outputs = _split_rules.apply(
+            scope, op_type_name, lambda **kw: original(op_type_name, **kw)[3], keywords, name)
+        if outputs is not None:
+          return None, False, outputs[0].op, outputs
+    return original(op_type_name, name=name, **keywords)
+  return apply_op
+
+
+def _whole(value):
+  """A split variable handed to an op as is (tf.einsum does not convert its operands) reads
+  as its registered whole value."""
+  if isinstance(value, _variables.PartitionedVariable):
+    return value.as_tensor()
+  if isinstance(value, (list, tuple)) and any(
+      isinstance(v, _variables.PartitionedVariable) for v in value):
+    return type(value)(_whole(v) for v in value)
+  return value
+
+
+_PART_NAME = re.compile(r"/part_\d+$")
+
+
+def _split_variable_creator(next_creator, **kwargs):
+  """Creates a variable of a split scope as a PartitionedVariable (epl.sharding.rules): the
+  full initial value is computed once on the host and each part starts from its slice."""
+  scope = _split_scope()
+  name = kwargs.get("name") or "Variable"
+  if scope is None or _sharded.in_rule() or _PART_NAME.search(name):
+    return next_creator(**kwargs)    # a user's own partitioner makes its parts: leave them
+  shape = kwargs.get("shape")
+  initial = kwargs.get("initial_value")
+  if shape is None and not callable(initial) and hasattr(initial, "shape"):
+    shape = initial.shape
+  shape = _tensor_shape.TensorShape(shape)
+  layout = _split_rules.variable_layout(scope, shape.as_list()) if \
+      shape.is_fully_defined() else None
+  if layout is None or initial is None:
+    return next_creator(**kwargs)
+  axis, sizes = layout
+  dtype = kwargs.get("dtype")
+  scoped = _ops.get_default_graph().unique_name(name, mark_as_used=False)
+  with _ops.init_scope(), _ops.name_scope(None), _ops.device("/device:CPU:0"):
+    with _ops.name_scope(scoped + "/Initializer/"):
+      full = initial() if callable(initial) else initial
+      full = _ops.convert_to_tensor(full, dtype=dtype.base_dtype if dtype else None)
+      pieces = _array_ops.split(full, list(sizes), axis=axis)
+  parts, offset = [], 0
+  for i, (piece, size) in enumerate(zip(pieces, sizes)):
+    part_shape = shape.as_list()
+    part_shape[axis] = size
+    part = next_creator(**dict(kwargs, initial_value=piece, shape=part_shape,
+                               name="%s/part_%d" % (name, i)))
+    offsets = [0] * len(part_shape)
+    offsets[axis] = offset
+    offset += size
+    full_name = part.op.name[:-len("/part_%d" % i)]
+    part._set_save_slice_info(_variables.Variable.SaveSliceInfo(  # pylint: disable=protected-access
+        full_name, shape.as_list(), offsets, part_shape))
+    parts.append(part)
+  partitions = [1] * len(shape)
+  partitions[axis] = len(parts)
+  variable = _variables.PartitionedVariable(full_name, shape.as_list(), parts[0].dtype.base_dtype,
+                                            parts, partitions)
+  whole = _split_rules.adopt_variable(scope, parts, axis)
+  variable._concat = lambda: whole          # pylint: disable=protected-access
+  return variable
+
+
+def split_variables():
+  """The context an ``epl.split`` scope enters: variables created inside are sharded."""
+  return _variable_scope.variable_creator_scope(_split_variable_creator)
+
+
 # (owner, attribute, wrapper factory): the table the module docstring describes
 _HOOKS = (
+    (_op_def_library, "_apply_op_helper", _apply_op_hook),
     (_gradients_util, "_GradientsHelper", _gradients_hook),
     (_optimizer.Optimizer, "apply_gradients", _apply_hook),
     (_monitored_session.Scaffold, "finalize", _rewrite_before),

@@ -65,7 +65,7 @@ class Strategy:
   Recorder of the graph being built (epl.entry supplies it).
   """
 
-  def __init__(self, kind, device_count, name, recorder_of_default_graph):
+  def __init__(self, kind, device_count, name, recorder_of_default_graph, context=None):
     if device_count is not None and (isinstance(device_count, bool) or
                                      not isinstance(device_count, int) or device_count < 1):
       raise AnnotationError("epl.%s(device_count=%r): device_count must be a positive int" %
@@ -73,6 +73,8 @@ class Strategy:
     self.kind, self.device_count, self.name = kind, device_count, name
     self._recorder_of_default_graph = recorder_of_default_graph
     self._recorder = None
+    self._context = context       # () -> a context manager entered with the scope
+    self._entered = None
 
   def __enter__(self):
     stack = _stack()
@@ -86,9 +88,15 @@ class Strategy:
     spec = recorder.enter_scope(self, location)
     stack.append((self, spec))
     self._recorder = recorder
+    if self._context is not None:
+      self._entered = self._context()
+      self._entered.__enter__()
     return self
 
   def __exit__(self, *exc):
+    if self._entered is not None:
+      self._entered.__exit__(*exc)
+      self._entered = None
     _, spec = _stack().pop()
     self._recorder.exit_scope(spec)
     self._recorder = None
@@ -112,6 +120,10 @@ def set_default(strategy, recorder_of_default_graph):
     raise AnnotationError("epl.set_default_strategy expects epl.replicate(...) or epl.split(...), "
                           "got %r" % (strategy,))
   location = _user_location()
+  if strategy.kind == SPLIT:
+    raise AnnotationError(
+        "epl.set_default_strategy(%r) at %s: a default strategy must be epl.replicate; put "
+        "the ops to split inside `with epl.split(...):`" % (strategy, location))
   if _stack():
     raise AnnotationError("epl.set_default_strategy(%r) called at %s inside the scope %s; call it "
                           "outside every scope" % (strategy, location, _stack()[-1][1].describe()))
@@ -138,6 +150,11 @@ class Recorder:
     self.phase_intervals = []  # (first_id, last_id, phase)
     self.grads_and_vars = []   # (grad, var) pairs given to apply_gradients
     self.gradients = []        # (grad, variable op) pairs tf.gradients returned
+    # epl.split: what its rules built (epl.sharding.rules)
+    self.shard_intervals = []  # (first, last, shard) ops of one shard
+    self.rule_intervals = []   # (first, last) ops built by a rule (they may read sharded values)
+    self.shard_ops = {}        # op name -> shard (variable parts)
+    self.sharded = {}          # whole tensor -> epl.sharding.sharded.Sharded
 
   def _new_spec(self, strategy, location):
     spec = TaskGraphSpec(len(self.specs), strategy.kind, strategy.device_count,
@@ -174,6 +191,14 @@ class Recorder:
     spec = self._new_spec(strategy, location)
     self._default = spec.index
     self._segment(spec.index)
+
+  def add_shard_interval(self, first, last, shard):
+    if last >= first:
+      self.shard_intervals.append((first, last, shard))
+
+  def add_rule_interval(self, first, last):
+    if last >= first:
+      self.rule_intervals.append((first, last))
 
   def add_phase(self, first_id, last_id, phase):
     if last_id >= first_id:

@@ -39,11 +39,15 @@ from epl.cluster import worker_of
 
 log = logging.getLogger("epl")
 
-def _by_worker(group):
-  """[(worker, its devices in group order)], workers in group order."""
+def _by_worker(group, clients=None):
+  """[(worker, the devices it builds, in group order)], workers in group order.
+
+  ``clients[i]`` is the worker whose session drives ``group[i]`` (default: the worker that
+  holds the device; a model replica spanning workers is driven by one of them).
+  """
   out = []
-  for d in group:
-    w = worker_of(d)
+  for i, d in enumerate(group):
+    w = clients[i] if clients is not None else worker_of(d)
     if not out or out[-1][0] != w:
       out.append((w, []))
     out[-1][1].append(d)
@@ -79,7 +83,7 @@ class Collectives:
     return self._next_instance
 
   # ---- all-reduce ----------------------------------------------------------------------
-  def all_reduce(self, tensors, devices, method, group=None):
+  def all_reduce(self, tensors, devices, method, group=None, clients=None):
     """Returns one reduced tensor per local input, each on its input's device.
 
     Args:
@@ -88,12 +92,13 @@ class Collectives:
       method: "mean" or "sum".
       group: every participant's device, all workers included (default: ``devices``); other
         workers build their own part with the same ``group``.
+      clients: the worker that builds each member of ``group`` (default: its device's).
     """
     assert len(tensors) == len(devices) and method in ("mean", "sum")
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    workers = _by_worker(group)
+    workers = _by_worker(group, clients)
     uniform = len({len(ds) for _, ds in workers}) == 1
     sizes = self._chunk_sizes(tensors[0], len(devices)) if self.chunked and uniform else None
     with tf.name_scope("epl_all_reduce"):
@@ -152,13 +157,13 @@ class Collectives:
           merge_op="Add", final_op="Id", communication_hint=self.hint)
 
   # ---- all-gather ----------------------------------------------------------------------
-  def all_gather(self, tensors, devices, group=None):
+  def all_gather(self, tensors, devices, group=None, clients=None):
     """Concatenates the participants' tensors along dimension 0 (group order), on every
-    local participant."""
+    local participant (``clients`` as for ``all_reduce``)."""
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    workers = _by_worker(group)
+    workers = _by_worker(group, clients)
     with tf.name_scope("epl_all_gather"):
       with tf.device(devices[0]):
         gathered = tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)

@@ -54,7 +54,7 @@ KEYS = {k.name: k for k in [
     _k("optimizer.num_apply_group", "int", 1, minimum=1, built=False),
     _k("cluster.device_place_prefer_intra_node", "bool", True),
     _k("cluster.run_visible_devices", "str", ""),
-    _k("cluster.colocate_split_and_replicate", "bool", False, built=False),
+    _k("cluster.colocate_split_and_replicate", "bool", False),
     _k("cluster.startup_timeout", "int", 45, minimum=1,
        help="seconds every worker waits for all workers to start before failing"),
     _k("cluster.devices_per_worker", "int", 0, minimum=0,

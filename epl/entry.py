@@ -141,8 +141,18 @@ def replicate(device_count=None, name=None):
 
 
 def split(device_count=None, name=None):
-  """Ops created inside form one TaskGraph split over ``device_count`` devices."""
-  return annotate.Strategy(annotate.SPLIT, device_count, name, _recorder)
+  """Ops created inside form one TaskGraph split over ``device_count`` devices.
+
+  Variables created inside are sharded over the devices (docs/user_guide.md, "Split"); the
+  ops that read them run sharded by the rules of ``epl.sharding.rules``.
+
+  Example:
+    >>> with epl.split(device_count=4, name="classifier"):
+    ...   logits = tf.layers.dense(features, 100000)
+    ...   loss = tf.losses.sparse_softmax_cross_entropy(labels, logits)
+  """
+  return annotate.Strategy(annotate.SPLIT, device_count, name, _recorder,
+                           context=compat.split_variables)
 
 
 def set_default_strategy(strategy):

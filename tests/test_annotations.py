@@ -108,11 +108,6 @@ def test_bad_device_count_and_strategy_arguments():
       epl.set_default_strategy("replicate")
 
 
-def test_split_is_not_implemented_yet():
-  with pytest.raises(epl.errors.NotImplementedYetError, match=r"epl.split at test_annotations"):
-    _train_model([epl.split(2, name="s")], devices=2)
-
-
 def test_trainable_variable_updated_without_any_gradient_is_refused():
   def body():
     x = _x()

@@ -7,15 +7,17 @@ pass is one module plus one line here.
 
   analyze        which ops each model copy owns, mirrored variables, singletons
   replicate      place copy 0, clone copies 1..n-1, wire singletons, build the replica sync
+  bridge         connect each replica's split TaskGraphs to its copies (gather / scatter)
   micro_batch    clone each copy's forward + backward per micro-batch (pipeline.num_micro_batch)
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
 """
 from epl.passes.analyze import analyze
+from epl.passes.bridge import bridge
 from epl.passes.grad_sync import gradient_sync
 from epl.passes.micro_batch import micro_batch
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
 
-PASSES = (analyze, replicate, micro_batch, schedule, gradient_sync)
+PASSES = (analyze, replicate, bridge, micro_batch, schedule, gradient_sync)

@@ -42,6 +42,8 @@ class StepAnalysis:
   batch_placeholders: Tuple[tf.Operation, ...]  # fed batches split over the copies
   cloned_set: FrozenSet[tf.Operation] = frozenset()
   pinned: FrozenSet[tf.Operation] = frozenset()   # cloned ops the user put on the host CPU
+  split_ops: FrozenSet[tf.Operation] = frozenset()  # cloned ops of split TaskGraphs: once
+                                                    # per replica (its first copy)
 
   def __str__(self):
     return "StepAnalysis(%d cloned ops, %d mirrored variables, %d singletons, %d sources)" % (
@@ -63,7 +65,8 @@ def analyze(ctx):
       tuple(sorted(singletons, key=lambda o: o.name)),
       tuple(op for op in cloned if op.type in DATA_SOURCE_OPS),
       tuple(op for op in cloned if _is_batch_placeholder(op)),
-      cloned_set, frozenset(op for op in cloned if pinned_to_host(op)))
+      cloned_set, frozenset(op for op in cloned if pinned_to_host(op)),
+      frozenset(op for op in cloned if ctx.plan.is_split(ctx.owner[op])))
   _check_gradients(ctx.graph, result, ctx.plan)
   return result
 

@@ -46,6 +46,8 @@ class _Item:
   per_copy: list                      # what each copy contributes (accumulated)
   readers: list                       # update ops reading ``grad`` (the user's ops)
   first: list                         # what copy c's readers read now
+  copies: list = None                 # the local copies that hold the variable
+  part: int = 0                       # its part (device index) in a split TaskGraph
 
   @property
   def size(self):
@@ -67,7 +69,7 @@ def _parts(grad):
 
 def gradient_sync(ctx):
   """Runs the pass; see the module docstring."""
-  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
+  graph, plan = ctx.graph, ctx.plan
   report = SyncReport([], [], [])
   if plan.total_copies == 1 and plan.num_micro_batch == 1:
     return report
@@ -93,16 +95,16 @@ def gradient_sync(ctx):
             "optimizer's var_list." % var_op.outputs[0].name)
       tg = ctx.owner[var_op]
       grad = _get(graph, g.tensors)
-      item = _accumulate(ctx, clones, replication.row_weights, g.variable, tg, grad, update)
+      item = _accumulate(ctx, clones, replication.row_weights, var_op, tg, grad, update)
       if after_allreduce or not g.applied or g.applied == g.tensors:
         raw_items.append(item)
         continue
       _rewire_all(clones, item, item.per_copy)             # the copy's own gradient
       applied = _get(graph, g.applied)
       applied_items.append(_Item(g.variable, tg, applied, [
-          _copy_tensor(clones, c, applied) for c in range(worker.num_copies)],
+          _copy_tensor(clones, c, applied) for c in item.copies],
           _readers(applied, update), [_copy_tensor(clones, c, applied)
-                                      for c in range(worker.num_copies)]))
+                                      for c in item.copies], item.copies, item.part))
     if plan.total_copies > 1:
       _reduce(ctx, raw_items + applied_items, report)
   return report
@@ -123,19 +125,23 @@ def _readers(grad, update):
   return {t: [c for c in t.consumers() if c in update] for t in _parts(grad)}
 
 
-def _accumulate(ctx, clones, weights, variable, tg, grad, update):
+def _accumulate(ctx, clones, weights, var_op, tg, grad, update):
   """Each copy's gradient accumulated over its micro-batches (weighted by fed rows)."""
   worker, count = ctx.worker, ctx.plan.num_micro_batch
   mean = ctx.plan.communication.reduce_method == "mean"
+  part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
+  copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
+  if ctx.plan.is_split(tg):
+    weights = None          # a split TaskGraph sees its replica's rows at once
   per_copy, first = [], []
-  for c in range(worker.num_copies):
-    with tf.device(worker.device_of(c, tg)):
+  for c in copies:
+    with tf.device(worker.device_of(c, tg, part)):
       parts = [_copy_tensor(clones, c, grad, m) for m in range(count)]
       first.append(parts[0])
       if weights is not None:
         parts = [_scaled(p, weights[c * count + m]) for m, p in enumerate(parts)]
       per_copy.append(_sum(parts, count if mean else 1))
-  item = _Item(variable, tg, grad, per_copy, _readers(grad, update), first)
+  item = _Item(var_op.name, tg, grad, per_copy, _readers(grad, update), first, copies, part)
   if count > 1 or weights is not None:
     _rewire_all(clones, item, per_copy)
     item.first = list(per_copy)
@@ -175,7 +181,7 @@ def _sum(parts, divide_by):
 
 def _rewire_all(clones, item, new):
   """Makes copy c's update ops that read ``item.first[c]`` read ``new[c]``."""
-  for c, (old, value) in enumerate(zip(item.first, new)):
+  for c, old, value in zip(item.copies, item.first, new):
     for part_old, part_new, original in zip(_parts(old), _parts(value), _parts(item.grad)):
       users = [clones.op(c, u) for u in item.readers[original]]
       rewire(part_old, part_new, [u for u in users if u is not None])
@@ -189,10 +195,12 @@ def _reduce(ctx, items, report):
       _gather_sparse(ctx, item, report)
       continue
     dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
-    dense.setdefault((item.taskgraph, dtype.base_dtype.name), []).append(item)
-  for (tg, _), group in sorted(dense.items()):
+    dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name), []).append(item)
+  for (tg, part, _), group in sorted(dense.items()):
+    if len(plan.group_of(tg, part)) == 1:
+      continue                         # one replica of a split TaskGraph: nothing to reduce
     for bucket in _buckets(group, plan.communication.max_splits):
-      _reduce_bucket(ctx, tg, bucket, report)
+      _reduce_bucket(ctx, tg, part, bucket, report)
 
 
 def _buckets(items, max_splits):
@@ -211,9 +219,10 @@ def _buckets(items, max_splits):
   return out
 
 
-def _reduce_bucket(ctx, tg, bucket, report):
+def _reduce_bucket(ctx, tg, part, bucket, report):
   worker, plan = ctx.worker, ctx.plan
-  devices = [worker.device_of(c, tg) for c in range(worker.num_copies)]
+  copies = bucket[0].copies
+  devices = [worker.device_of(c, tg, part) for c in copies]
   flats, dense = [], []
   for c, device in enumerate(devices):
     with tf.device(device):
@@ -222,7 +231,8 @@ def _reduce_bucket(ctx, tg, bucket, report):
       flats.append(tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
                    if len(grads) > 1 else tf.reshape(grads[0], [-1]))
   reduced = ctx.collectives.all_reduce(flats, devices, plan.communication.reduce_method,
-                                       group=plan.group_of(tg))
+                                       group=plan.group_of(tg, part),
+                                       clients=plan.clients_of(tg, part))
   report.collective_ops.extend(r.op for r in reduced)
   news = []
   for c, device in enumerate(devices):
@@ -234,15 +244,15 @@ def _reduce_bucket(ctx, tg, bucket, report):
                    for p, g in zip(pieces, dense[c])])
   for i, item in enumerate(bucket):
     if isinstance(item.grad, tf.IndexedSlices):            # sparse_as_dense
-      for c in range(len(devices)):
-        _rewire_sparse_as_dense(ctx.clones(), c, item, news[c][i])
+      for i_copy, c in enumerate(copies):
+        _rewire_sparse_as_dense(ctx.clones(), i_copy, c, item, news[i_copy][i])
     else:
       _rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
   report.buckets.append([item.variable for item in bucket])
 
 
-def _rewire_sparse_as_dense(clones, c, item, dense_new):
-  old = item.first[c]
+def _rewire_sparse_as_dense(clones, index, c, item, dense_new):
+  old = item.first[index]
   users = {k: [u for u in (clones.op(c, x) for x in v) if u is not None]
            for k, v in item.readers.items()}
   with tf.device(dense_new.device):
@@ -253,17 +263,22 @@ def _rewire_sparse_as_dense(clones, c, item, dense_new):
 
 def _gather_sparse(ctx, item, report):
   worker, plan = ctx.worker, ctx.plan
-  devices = [worker.device_of(c, item.taskgraph) for c in range(worker.num_copies)]
-  group = plan.group_of(item.taskgraph)
-  values = ctx.collectives.all_gather([g.values for g in item.per_copy], devices, group=group)
-  indices = ctx.collectives.all_gather([g.indices for g in item.per_copy], devices, group=group)
+  devices = [worker.device_of(c, item.taskgraph, item.part) for c in item.copies]
+  group = plan.group_of(item.taskgraph, item.part)
+  if len(group) == 1:
+    return
+  clients = plan.clients_of(item.taskgraph, item.part)
+  values = ctx.collectives.all_gather([g.values for g in item.per_copy], devices, group=group,
+                                      clients=clients)
+  indices = ctx.collectives.all_gather([g.indices for g in item.per_copy], devices, group=group,
+                                       clients=clients)
   report.collective_ops.extend(t.op for t in values + indices)
   news = []
   for c, device in enumerate(devices):
     with tf.device(device):
       v = _loose_rows(values[c])
       if plan.communication.reduce_method == "mean":
-        v = v / tf.cast(plan.total_copies, v.dtype)
+        v = v / tf.cast(len(group), v.dtype)
       news.append(tf.IndexedSlices(v, _loose_rows(indices[c]), item.per_copy[c].dense_shape))
   _rewire_all(ctx.clones(), item, news)
   report.gathered.append(item.variable)

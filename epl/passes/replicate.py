@@ -3,7 +3,9 @@
 Expects: the plan (this worker's copies) and the ``analyze`` result. Adds:
   * copy 0 = the user's own ops, placed on copy 0's devices (a lone copy of a lone TaskGraph
     is left to TF's placer, exactly as the local script);
-  * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices; data sources
+  * copies 1..n-1 = clones under ``EPL_REPLICA_<c>/``, placed on their devices (a split
+    TaskGraph's ops on the part of its devices the plan gives them, once per model replica:
+    in the replica's first copy); data sources
     (``get_next``) are cloned per replica, so N replicas read N batches per step; placeholders
     are cloned too (the runtime feeds each copy its piece of a fed batch); with ``shards``
     k > 1 each replica's batch from an iterator is split k ways;
@@ -41,7 +43,9 @@ def device_function(ctx, copy):
     if is_host_op(op) or op in pinned:
       return op.device
     t = owner.get(op)
-    return worker.device_of(copy, t) if t is not None else op.device
+    if t is None:
+      return op.device
+    return worker.device_of(copy, t, ctx.plan.part_of(op.name) if ctx.plan.is_split(t) else 0)
   return device
 
 
@@ -50,7 +54,8 @@ def replicate(ctx):
   graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
   analysis = ctx.result("analyze")
   n, k = worker.num_copies, plan.shards
-  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.num_micro_batch > 1:
+  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.num_micro_batch > 1 \
+      or analysis.split_ops:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
     place_copy0 = device_function(ctx, 0)
@@ -83,8 +88,8 @@ def replicate(ctx):
     r, j = divmod(c, k)
     input_map = {}
     ops = cloned
-    if j > 0:
-      skip = {s for s, _ in source_splits} | set(analysis.sources)
+    if j > 0:       # the replica's batch pieces and split TaskGraphs come with its first copy
+      skip = {s for s, _ in source_splits} | set(analysis.sources) | analysis.split_ops
       ops = [op for op in cloned if op not in skip]
       for split_op, _ in source_splits:
         replica_split = split_op if r == 0 else copies[r * k][split_op.name]
@@ -92,7 +97,8 @@ def replicate(ctx):
     copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(ctx, c),
                             input_map, ctx.nodes))
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
-  mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n)] for v in analysis.mirrored}
+  mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n) if v.name in copies[c]]
+              for v in analysis.mirrored}
   return Replication(copies, _build_sync(ctx, mirrored), mirrored, weights)
 
 

@@ -5,10 +5,11 @@ Nothing here edits the graph: the plan records, by name, what the passes will bu
 """
 import tensorflow.compat.v1 as tf
 
-from epl.annotate import SPLIT
+from epl.annotate import REPLICATE, SPLIT
 from epl.errors import NotImplementedYetError, PlanError
+from epl.plan import split as split_facts
 from epl.plan.attribution import attribute_ops
-from epl.plan.placement import Replicate
+from epl.plan.placement import Replicate, Split
 from epl.plan.plan import PHASES, Communication, Copy, Gradient, ParallelPlan, TaskGraphPlan
 from epl.plan.schedule import make_schedule
 
@@ -23,8 +24,9 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   """Returns the ParallelPlan of ``graph``'s first ``upto_version`` ops (default: all).
 
   Raises:
-    PlanError: the annotations do not fit the devices (message names scope and numbers).
-    NotImplementedYetError: a strategy this version does not build (split, mixed shards).
+    PlanError: the annotations do not fit the devices, or a split TaskGraph holds an op its
+      rules don't cover (the message names scope, op and numbers).
+    NotImplementedYetError: a combination this version does not build.
   """
   common = dict(num_micro_batch=config.pipeline.num_micro_batch,
                 pipeline_strategy=config.pipeline.strategy,
@@ -34,79 +36,130 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
     return ParallelPlan((), (), 1, schedule=(), **common)
   upto = graph.version if upto_version is None else upto_version
   owner, phase = attribute_ops(graph, recorder, upto)
+  ops, rank = split_facts.op_ranks(graph, upto)
+  kinds = {i: s.kind for i, s in enumerate(recorder.specs)}
+  split_facts.move_inputs_to_copies(ops, owner, kinds)
   used = sorted({t for t in owner.values() if t is not None})
   renumber = {old: new for new, old in enumerate(used)}
   specs = [recorder.specs[i] for i in used]
+  placements = _placements(specs, config, cluster)
   per_tg = {new: {p: [] for p in PHASES} for new in range(len(specs))}
   for op, t in owner.items():
     per_tg[renumber[t]][phase[op]].append(op.name)
-  counts = _check_devices(specs, config, cluster)
-  tgs = tuple(TaskGraphPlan(i, s.name, Replicate(counts[i]), s.location,
+  tgs = tuple(TaskGraphPlan(i, s.name, placements[i], s.location,
                             {p: tuple(per_tg[i][p]) for p in PHASES})
               for i, s in enumerate(specs))
-  copies = _layout(counts, cluster)
+  owner = {op: renumber[t] for op, t in owner.items() if t is not None}
+  kinds = {i: p.kind for i, p in enumerate(placements)}
+  split_tgs = {i for i, k in kinds.items() if k == SPLIT}
+  parts, crossings = {}, ()
+  if split_tgs:
+    split_facts.check_rules(ops, rank, owner, phase, recorder, split_tgs, specs)
+    parts = split_facts.assign_parts(ops, rank, owner, phase, recorder, split_tgs)
+    crossings = split_facts.crossings(ops, owner, phase, kinds, specs)
+  colocate = config.cluster.colocate_split_and_replicate
+  copies = _layout(placements, colocate, cluster)
   schedule = make_schedule(config.pipeline.strategy, len(tgs), config.pipeline.num_micro_batch)
   return ParallelPlan(
-      tgs, copies, counts[0],
+      tgs, copies, _shards(placements),
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
       gradients=_gradients(recorder), shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
-      **common)
+      parts=parts, crossings=crossings, **common)
 
 
-def _check_devices(specs, config, cluster):
-  """Devices per replica of each TaskGraph; raises when the annotations do not fit."""
+def _shards(placements):
+  """Copies per model replica: the device_count of the replicated TaskGraphs (1 if none)."""
+  return next((p.devices for p in placements if p.kind == REPLICATE), 1)
+
+
+def _replica_devices(placements, colocate):
+  """Devices one model replica needs: the sum over TaskGraphs, or the largest with
+  ``cluster.colocate_split_and_replicate``."""
+  counts = [p.devices for p in placements]
+  return max(counts) if colocate else sum(counts)
+
+
+def _placements(specs, config, cluster):
+  """Each TaskGraph's placement; raises when the annotations do not fit the devices."""
+  devices_here = cluster.gpu_num_per_worker
+  total = devices_here * cluster.worker_num
+  has_split = any(spec.kind == SPLIT for spec in specs)
+  # with a split TaskGraph a model replica may span workers (its client drives it all)
+  room, where = (total, "the job has") if has_split else (devices_here, "the worker has")
+  out = []
   for spec in specs:
     if spec.kind == SPLIT:
-      raise NotImplementedYetError(
-          "epl.split at %s: tensor/MoE parallelism is not implemented yet in epl; use "
-          "epl.replicate for now" % spec.location)
-  counts = [spec.device_count or 1 for spec in specs]
-  devices_here = cluster.gpu_num_per_worker
-  for spec, k in zip(specs, counts):
-    if k > devices_here:
+      k = spec.device_count or total
+      if k > total:
+        raise PlanError(
+            "split %r asks for device_count=%d but the job has %d device(s); lower "
+            "device_count or launch more workers / --gpu_per_worker" % (spec.name, k, total))
+      out.append(Split(k))
+      continue
+    k = spec.device_count or 1
+    if k > room:
       raise PlanError(
-          "%s %r asks for device_count=%d but the worker has %d device(s); lower device_count "
-          "or launch with --gpu_per_worker %d" % (spec.kind, spec.name, k, devices_here, k))
+          "%s %r asks for device_count=%d but %s %d device(s); lower device_count or launch "
+          "with --gpu_per_worker %d" % (spec.kind, spec.name, k, where, room, k))
+    out.append(Replicate(k))
+  counts = [p.devices for p in out if p.kind == REPLICATE]
   if len(set(counts)) > 1:
     raise NotImplementedYetError(
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
-        "every scope the same device_count" % ", ".join(
-            "%s=%d" % (s.name, k) for s, k in zip(specs, counts)))
+        "every replicate scope the same device_count" % ", ".join(
+            "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
+  if config.pipeline.num_micro_batch > 1 and has_split:
+    raise NotImplementedYetError(
+        "pipeline.num_micro_batch > 1 with epl.split is not implemented yet in epl; use "
+        "num_micro_batch 1 with a split TaskGraph")
   if config.pipeline.num_micro_batch > 1 and any(k > 1 for k in counts):
     raise NotImplementedYetError(
         "pipeline.num_micro_batch > 1 with replicate(device_count > 1) is not implemented yet "
         "in epl; use device_count=1 per stage")
-  per_replica = sum(counts)
-  total = devices_here * cluster.worker_num
-  detail = " + ".join("%s: %d" % (s.name, k) for s, k in zip(specs, counts))
+  colocate = config.cluster.colocate_split_and_replicate and has_split
+  per_replica = _replica_devices(out, colocate)
+  detail = " + ".join("%s: %d" % (s.name, p.devices) for s, p in zip(specs, out))
+  if colocate:
+    detail = "the largest of " + detail.replace(" + ", ", ")
   if per_replica <= devices_here and devices_here % per_replica:
     raise PlanError(
         "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
-  if per_replica > devices_here and (total % per_replica or counts[0] > 1):
+  spans = not has_split and counts and counts[0] > 1
+  if per_replica > devices_here and (total % per_replica or spans):
     raise PlanError(
         "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
         "device(s) are not a multiple of it%s" % (
             per_replica, detail, devices_here, total,
-            "" if counts[0] == 1 else " (device_count > 1 cannot span workers)"))
-  return counts
+            " (device_count > 1 cannot span workers)" if spans else ""))
+  return out
 
 
-def _layout(counts, cluster):
+def _layout(placements, colocate, cluster):
   """Every copy of the job. Replicas fill the job's devices in order (worker-major): a
   replica that fits in a worker stays inside it; a larger one spans consecutive workers, and
-  the worker holding its first device is its client."""
-  shards, per_replica = counts[0], sum(counts)
+  the worker holding its first device is its client. Inside a replica each TaskGraph takes
+  the next block of devices (all start at the replica's first device with
+  ``cluster.colocate_split_and_replicate``); copy j of a replicated TaskGraph runs on its
+  block's j-th device, a split TaskGraph on its whole block."""
+  colocate = colocate and any(p.kind == SPLIT for p in placements)
+  per_replica = _replica_devices(placements, colocate)
+  offsets, at = [], 0
+  for p in placements:
+    offsets.append(0 if colocate else at)
+    at += p.devices
   every_device = cluster.all_devices()
   devices_here = cluster.gpu_num_per_worker
   copies = []
   for r in range(len(every_device) // per_replica):
     base = r * per_replica
-    for j in range(shards):
+    group = every_device[base:base + per_replica]
+    for j in range(_shards(placements)):
       copies.append(Copy(r, j, base // devices_here, tuple(
-          (every_device[base + t * shards + j],) for t in range(len(counts)))))
+          tuple(group[o:o + p.devices]) if p.kind == SPLIT else (group[o + j],)
+          for p, o in zip(placements, offsets))))
   return tuple(copies)
 
 

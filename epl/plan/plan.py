@@ -70,6 +70,30 @@ class Gradient:
 
 
 @dataclasses.dataclass(frozen=True)
+class Crossing:
+  """A tensor of the user's graph that flows between a replicated and a split TaskGraph.
+
+  ``gather``: into the split TaskGraph (each replica's split part reads all its copies'
+  values: their rows concatenated when ``batch_major``, else copy 0's value -- or, for a
+  gradient, the sum); otherwise out of it (copy j reads its own rows when ``batch_major``,
+  else the whole value). ``backward``: a gradient on its way back (epl.passes.bridge scales
+  it so that the copies' mean gradient stays the local model's).
+  """
+  tensor: str
+  consumer: str
+  source: int
+  destination: int
+  gather: bool
+  batch_major: bool
+  backward: bool
+
+  def __str__(self):
+    return "%s %s -> %s (%s%s)" % (
+        "gather" if self.gather else "scatter", self.tensor, self.consumer,
+        "rows" if self.batch_major else "whole", ", gradient" if self.backward else "")
+
+
+@dataclasses.dataclass(frozen=True)
 class Communication:
   """How gradients and merged fetches travel (``communication.*`` keys)."""
   reduce_method: str = "mean"
@@ -98,6 +122,8 @@ class ParallelPlan:
   shared_variables: Tuple[str, ...] = ()      # run once per step (global_step)
   communication: Communication = Communication()
   has_gpu: bool = False
+  parts: Mapping[str, int] = dataclasses.field(default_factory=dict)  # split op -> its part
+  crossings: Tuple[Crossing, ...] = ()
 
   # ---- the job -------------------------------------------------------------------------
   @property
@@ -118,9 +144,24 @@ class ParallelPlan:
     """Workers that drive at least one copy, in order."""
     return tuple(sorted({c.client for c in self.copies}))
 
-  def group_of(self, taskgraph):
-    """The device of ``taskgraph`` in every copy of the job (collective groups)."""
-    return tuple(c.devices[taskgraph][0] for c in self.copies)
+  def is_split(self, taskgraph):
+    return self.taskgraphs[taskgraph].placement.kind == "split"
+
+  def part_of(self, op_name):
+    """The part (device index in its TaskGraph) of an op of a split TaskGraph."""
+    return self.parts.get(op_name, 0)
+
+  def group_of(self, taskgraph, part=0):
+    """The devices that hold ``taskgraph`` (its ``part``, when split) in every copy of the job
+    that runs it -- every copy for a replicated TaskGraph, each replica's first copy for a
+    split one (collective groups)."""
+    return tuple(c.devices[taskgraph][part] for c in self.copies
+                 if c.shard == 0 or not self.is_split(taskgraph))
+
+  def clients_of(self, taskgraph, part=0):
+    """The worker driving each member of ``group_of(taskgraph, part)``."""
+    return tuple(c.client for c in self.copies
+                 if c.shard == 0 or not self.is_split(taskgraph))
 
   @functools.cached_property
   def op_index(self) -> Dict[str, Tuple[int, str]]:
@@ -150,6 +191,7 @@ class ParallelPlan:
                              for g in raw["gradients"])
     raw["shared_variables"] = tuple(raw["shared_variables"])
     raw["communication"] = Communication(**raw["communication"])
+    raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
     return cls(**raw)
 
   def __str__(self):
@@ -211,9 +253,14 @@ class WorkerView:
     """True on a worker that holds no model replica's first stage: it only serves."""
     return not self.plan.is_local and self.num_copies == 0
 
-  def device_of(self, copy, taskgraph):
-    """The device of ``taskgraph`` in local copy ``copy``."""
-    return self.copies[copy].devices[taskgraph][0]
+  def device_of(self, copy, taskgraph, part=0):
+    """The device of ``taskgraph`` (its ``part``, when split) in local copy ``copy``."""
+    return self.copies[copy].devices[taskgraph][part]
+
+  def runs(self, copy, taskgraph):
+    """True if local copy ``copy`` runs ``taskgraph`` (a split TaskGraph runs once per
+    replica, in the replica's first copy)."""
+    return self.copies[copy].shard == 0 or not self.plan.is_split(taskgraph)
 
   def first_global_copy(self):
     return next(i for i, c in enumerate(self.plan.copies) if c.client == self.index)

@@ -10,7 +10,9 @@ Two modes (decided per run from its fetches and feeds):
   gradient is then weighted by its rows, so the update equals the local run's). A scalar
   placeholder gets the same value in every copy.
 * ``COPY0``: only the user's own ops (model copy 0) run, on everything fed -- evaluation and
-  prediction take any batch size, including one row, exactly as the local script.
+  prediction take any batch size, including one row, exactly as the local script. A split
+  TaskGraph reads the rows of every copy of its replica: the replica's other copies are fed
+  no rows, so it sees exactly the fed batch.
 """
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -36,6 +38,12 @@ class FeedSplitter:
     update = {op for op, phase in _phases(parallel).items() if phase == "apply"}
     self._trains_at = set(analysis.singletons) | {op for op in update if mutates(op)}
     self._trains = {}
+    worker = parallel.worker
+    # copies that run with copy 0 in an evaluation run: its replica's others, when a split
+    # TaskGraph gathers their rows
+    self._partners = [c for c in range(1, worker.num_copies)
+                      if worker.copies[c].replica == worker.copies[0].replica] \
+        if analysis.split_ops else []
 
   # ---- the mode ----------------------------------------------------------------------
   def mode(self, elements, feed_dict):
@@ -80,8 +88,10 @@ class FeedSplitter:
 
   def split(self, feed_dict, mode):
     """The feed_dict for ``mode``: pieces of fed batches for every copy's placeholders."""
-    if not feed_dict or mode == COPY0:
+    if not feed_dict or (mode == COPY0 and not self._partners):
       return feed_dict
+    if mode == COPY0:
+      return self._with_partners(feed_dict)
     out = dict(feed_dict)
     weights = None
     for tensor, value in list(self._fed(feed_dict)):
@@ -101,6 +111,26 @@ class FeedSplitter:
             out[target] = value
     if weights is not None and self._weights is not None:
       out[self._weights] = weights
+    return out
+
+  def _with_partners(self, feed_dict):
+    out = dict(feed_dict)
+    for tensor, value in list(self._fed(feed_dict)):
+      if tensor.op not in self._cloned:
+        continue
+      for c in self._partners:
+        target = self.clones.tensor(c, tensor)
+        if target is None:
+          continue
+        if tensor in self._batch:
+          if tensor.shape.dims[0].value is not None:
+            raise PlanError(
+                "an evaluation run of a split model feeds %r, whose first dimension is fixed: "
+                "epl cannot give the replica's other copies an empty batch; declare it "
+                "[None, ...], or evaluate with a training-sized batch" % tensor.op.name)
+          out[target] = np.asarray(value)[:0]
+        else:
+          out[target] = value
     return out
 
   def _pieces(self, tensor, value):

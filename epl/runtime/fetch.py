@@ -116,9 +116,12 @@ class FetchMapper:
       else:
         return fetch
     pieces = self._clones.every(t)
+    weights = self._weights
+    split_tg = self._split_taskgraph(t)
+    if split_tg is not None:          # runs once per replica, in the replica's first copy
+      pieces, weights = self._per_replica(split_tg, t)
     if all(p is None for p in pieces[1:]):
       return fetch
-    weights = self._weights
     if any(p is None for p in pieces):               # run once per step (not per micro-batch)
       m = self._clones.num_micro_batch
       pieces, weights = pieces[::m], None
@@ -146,15 +149,32 @@ class FetchMapper:
       count = count * plan.total_copies // max(1, self.parallel.num_copies)
     return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
 
+  def _split_taskgraph(self, t):
+    plan = self.parallel.plan
+    tg = plan.op_index.get(t.op.name, (None, None))[0]
+    return tg if tg is not None and plan.is_split(tg) else None
+
+  def _per_replica(self, tg, t):
+    """A split TaskGraph's tensor in each local replica, and the replicas' row weights."""
+    worker, k = self.parallel.worker, self.parallel.plan.shards
+    leads = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
+    pieces = [self._clones.tensor(c, t) for c in leads]
+    weights = None
+    if self._weights is not None and k > 1:
+      with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
+          tf.device(self.parallel.worker.host):
+        weights = tf.reduce_mean(tf.reshape(self._weights, [-1, k]), axis=1)
+    return pieces, weights
+
   def _batch_major(self, t):
     """True when ``t``'s first dimension is the batch dimension of an input it comes from."""
     if not t.shape.rank:
       return False
     dim = t.shape.dims[0].value
     upstream, seen, work = set(), set(), [t.op]
-    while work:
+    while work:                # through the copy's ops and epl's bridges into split parts
       op = work.pop()
-      if op in seen or op not in self._cloned:
+      if op in seen or (op not in self._cloned and not op.name.startswith("epl_bridge/")):
         continue
       seen.add(op)
       upstream.update(op.outputs)

@@ -8,7 +8,9 @@ import weakref
 
 import tensorflow.compat.v1 as tf
 
+from epl import annotate
 from epl.errors import RuntimeStateError
+from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
 from epl.op_tables import VARIABLE_OPS
 from epl.runtime import driver, faults, serve
@@ -28,6 +30,7 @@ class Dispatcher:
     self._plain = False
     self._progress = None         # Progress once rewritten (worker 0, log.progress_secs > 0)
     self._peers = None            # faults.PeerWatch of a multi-worker job
+    self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
 
   def manages(self, graph):
@@ -55,6 +58,20 @@ class Dispatcher:
 
   def on_apply(self, graph, grads_and_vars):
     self.state.recorder.grads_and_vars.extend(grads_and_vars)
+
+  def split_scope(self, graph):
+    """The rules context (epl.sharding.rules.SplitScope) of the split TaskGraph that an op
+    created now joins -- inside ``with epl.split(...)`` or after it, outside any scope -- or
+    None."""
+    recorder = self.state.recorder
+    index = recorder.taskgraph_of(graph.version + 1)
+    if index is None or recorder.specs[index].kind != annotate.SPLIT:
+      return None
+    scope = self._split_scopes.get(index)
+    if scope is None:
+      count = recorder.specs[index].device_count or self.state.cluster.total_gpu_num
+      scope = self._split_scopes[index] = SplitScope(count, recorder)
+    return scope
 
   def on_gradients(self, graph, xs, grads):
     """Records (raw gradient, variable op) for every variable among ``xs``."""

@@ -1,7 +1,6 @@
 """``ParallelGraph`` (what ``epl.Graph.get()`` returns): the rewritten graph, for the runtime
 and for users."""
 import dataclasses
-import types
 from typing import Any, Mapping
 
 import tensorflow.compat.v1 as tf
@@ -73,10 +72,31 @@ class ParallelGraph:
           self.plan.communication.reduce_method))
     for t in self.plan.taskgraphs:
       counts = {p: t.op_count(p) for p in PHASES}
-      lines.append("TaskGraph %d %r: forward %d, backward %d, apply %d ops; devices %s" % (
-          t.index, t.name, counts["forward"], counts["backward"], counts["apply"],
-          ", ".join(self.worker.device_of(c, t.index) for c in range(self.num_copies))))
+      if t.placement.kind == "split":
+        where = "; ".join("replica %d: parts on %s" % (
+            self.worker.copies[c].replica, ", ".join(self.worker.copies[c].devices[t.index]))
+            for c in range(self.num_copies) if self.worker.runs(c, t.index))
+      else:
+        where = "devices " + ", ".join(self.worker.device_of(c, t.index)
+                                       for c in range(self.num_copies))
+      lines.append("TaskGraph %d %r: forward %d, backward %d, apply %d ops; %s" % (
+          t.index, t.name, counts["forward"], counts["backward"], counts["apply"], where))
+    lines.extend(self._split_lines())
     return "\n".join(lines)
+
+  def _split_lines(self):
+    """Each split TaskGraph's boundary: the tensors crossing it and what carries them."""
+    plan, bridges = self.plan, self.results.get("bridge")
+    if not plan.crossings:
+      return []
+    out = ["Split boundaries (%d crossing tensor(s); %s):" % (
+        len(plan.crossings), "one copy per replica: TF send/recv" if bridges is None or
+        not bridges.built else "%d gather(s) into split parts, %d scatter(s) out" % (
+            bridges.count("gather"), bridges.count("scatter")))]
+    for x in plan.crossings:
+      out.append("  %s -> %s: %s" % (plan.taskgraphs[x.source].name,
+                                     plan.taskgraphs[x.destination].name, x))
+    return out
 
   def summary(self):
     """A few lines for the start of a job: workers, copies, micro-batches, gradient sync."""
@@ -93,11 +113,16 @@ class ParallelGraph:
                  len({c.replica for c in plan.copies}), plan.shards,
                  "%d micro-batches, %s" % (plan.num_micro_batch, plan.pipeline_strategy)
                  if plan.num_micro_batch > 1 else "1 micro-batch")]
+    def place(d):
+      return "%s%s" % ("w%d:" % worker_of(d) if plan.worker_num > 1 else "",
+                       d.rsplit("/device:", 1)[-1])
     for t in plan.taskgraphs:
-      places = ["%s%s" % ("w%d:" % worker_of(d) if plan.worker_num > 1 else "",
-                          d.rsplit("/device:", 1)[-1]) for d in plan.group_of(t.index)]
-      lines.append("  TaskGraph %d %r (%s): copies on %s" % (
-          t.index, t.name, t.placement, ", ".join(places)))
+      if t.placement.kind == "split":
+        where = "parts on " + ", ".join("+".join(place(d) for d in c.devices[t.index])
+                                        for c in plan.copies if c.shard == 0)
+      else:
+        where = "copies on " + ", ".join(place(d) for d in plan.group_of(t.index))
+      lines.append("  TaskGraph %d %r (%s): %s" % (t.index, t.name, t.placement, where))
     sync = self.sync_report
     if sync is not None and sync.buckets + sync.gathered:
       lines.append("  gradients: %d variable(s) in %d fused all-reduce(s)%s, %s, clipping "

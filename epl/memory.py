@@ -1,0 +1,133 @@
+"""Per-device memory of a training step: what each device holds and its peak during a step.
+
+All virtual CPU devices share one allocator, and TF reports only per-node peaks, so the peak
+of one device is rebuilt from a traced step: each node's output buffers are allocated when the
+node ends and freed when the last node reading them (on that device) ends; a buffer forwarded
+by several outputs (Identity) counts once. Variables live for the whole run: they are counted
+from the graph (their shape and device), outside the step.
+
+Example:
+  >>> report = epl.memory.measure(sess, train_op, feed_dict=feed)
+  >>> print(report)                       # a table: device, variables, step peak, total
+  >>> report.peak("/device:CPU:1")
+"""
+import collections
+import dataclasses
+import re
+from typing import Dict
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl.op_tables import VARIABLE_OPS
+
+_DEVICE = re.compile(
+    r"(?:/job:([^/]+))?(?:/replica:\d+)?(?:/task:(\d+))?/device:([A-Za-z]+):(\d+)")
+
+
+def short_device(name):
+  """``/job:worker/replica:0/task:1/device:CPU:2`` -> ``/task:1/device:CPU:2``; a local
+  session's ``/job:localhost/replica:0/task:0/device:CPU:2`` -> ``/device:CPU:2``."""
+  m = _DEVICE.search(name or "")
+  if not m:
+    return name
+  task = "/task:%s" % m.group(2) if m.group(2) is not None and m.group(1) != "localhost" \
+      else ""
+  return "%s/device:%s:%s" % (task, m.group(3).upper(), m.group(4))
+
+
+def step_peaks(run_metadata):
+  """{device: peak bytes of the buffers the traced step allocated there}.
+
+  ``run_metadata`` comes from a run with ``RunOptions(trace_level=FULL_TRACE,
+  output_partition_graphs=True)``.
+  """
+  consumers = collections.defaultdict(list)          # (node, slot) -> consumer node names
+  for graph_def in run_metadata.partition_graphs:
+    for node in graph_def.node:
+      for name in node.input:
+        if name.startswith("^"):
+          continue
+        src, _, slot = name.partition(":")
+        consumers[(src, int(slot or 0))].append(node.name)
+  peaks = {}
+  for dev in run_metadata.step_stats.dev_stats:
+    if "stream:" in dev.device or "memcpy" in dev.device:
+      continue
+    ends = {n.node_name: n.all_start_micros + max(n.all_end_rel_micros, 0)
+            for n in dev.node_stats}
+    buffers = {}                                        # ptr -> [bytes, alloc time, free time]
+    for n in dev.node_stats:
+      end = ends[n.node_name]
+      for out in n.output:
+        alloc = out.tensor_description.allocation_description
+        if alloc.allocated_bytes <= 0:
+          continue
+        key = alloc.ptr or (n.node_name, out.slot)
+        last = max([ends[c] for c in consumers.get((n.node_name, out.slot), ())
+                    if c in ends] + [end])
+        entry = buffers.setdefault(key, [alloc.allocated_bytes, end, last])
+        entry[1], entry[2] = min(entry[1], end), max(entry[2], last)
+    events = sorted([(t0, b) for b, t0, _ in buffers.values()] +
+                    [(t1, -b) for b, _, t1 in buffers.values()],
+                    key=lambda e: (e[0], e[1] < 0))      # allocations first at equal times
+    live = peak = 0
+    for _, delta in events:
+      live += delta
+      peak = max(peak, live)
+    name = short_device(dev.device)
+    peaks[name] = max(peaks.get(name, 0), peak)
+  return peaks
+
+
+def variable_bytes(graph):
+  """{device: bytes of the variables placed there} (as placed in the graph: after epl's
+  rewrite, every copy's variables, optimizer slots included)."""
+  out = collections.Counter()
+  for op in graph.get_operations():
+    if op.type not in VARIABLE_OPS:
+      continue
+    dtype = tf.as_dtype(op.get_attr("dtype")) if op.type == "VarHandleOp" else \
+        op.outputs[0].dtype.base_dtype
+    shape = tf.TensorShape(op.get_attr("shape"))
+    if shape.is_fully_defined():
+      out[short_device(op.device) or "(unplaced)"] += int(np.prod(shape.as_list())) * \
+          dtype.size
+  return dict(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  variables: Dict[str, int]            # device -> bytes of variables
+  peaks: Dict[str, int]                # device -> peak bytes allocated in the step
+
+  def devices(self):
+    return sorted(set(self.variables) | set(self.peaks))
+
+  def peak(self, device):
+    return self.peaks.get(short_device(device), 0)
+
+  def held(self, device):
+    return self.variables.get(short_device(device), 0)
+
+  def total(self, device):
+    return self.held(device) + self.peak(device)
+
+  def __str__(self):
+    lines = ["%-28s %12s %12s %12s" % ("device", "variables", "step peak", "total")]
+    for d in self.devices():
+      lines.append("%-28s %12s %12s %12s" % (d, _mib(self.held(d)), _mib(self.peak(d)),
+                                             _mib(self.total(d))))
+    return "\n".join(lines)
+
+
+def _mib(n):
+  return "%.2f MiB" % (n / 2.0 ** 20)
+
+
+def measure(sess, fetches, feed_dict=None):
+  """Runs one traced step of ``fetches`` and returns its ``MemoryReport``."""
+  options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE, output_partition_graphs=True)
+  metadata = tf.RunMetadata()
+  sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+  return MemoryReport(variable_bytes(sess.graph), step_peaks(metadata))

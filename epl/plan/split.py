@@ -1,0 +1,149 @@
+"""Plan-time facts of split TaskGraphs: the part each op runs on, the tensors that cross
+between replicated and split TaskGraphs, and the checks that refuse what the rules don't cover.
+
+Parts: an op the split rules built for shard i (``Recorder.shard_intervals``) or a variable's
+part i (``Recorder.shard_ops``) runs on the TaskGraph's i-th device; a gradient or optimizer op
+follows the op it is colocated with (epl forces ``colocate_gradients_with_ops``; optimizers
+colocate slots and updates with their variable), failing that its first input that has a part;
+everything else (the rules' combining ops, the loss mean) runs on the first device.
+"""
+import bisect
+
+from epl import _tf_compat as compat
+from epl.errors import PlanError
+from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
+                           VARIABLE_OPS)
+from epl.plan.plan import Crossing
+from epl.sharding.rules import SUPPORTED
+
+
+class _Intervals:
+  """Sorted, non-overlapping (first, last, value) rank intervals."""
+
+  def __init__(self, intervals):
+    self._items = sorted(intervals)
+    self._starts = [iv[0] for iv in self._items]
+
+  def __contains__(self, rank):
+    return self.get(rank) is not None
+
+  def get(self, rank):
+    i = bisect.bisect_right(self._starts, rank) - 1
+    if i >= 0 and self._items[i][0] <= rank <= self._items[i][1]:
+      return self._items[i][2] if len(self._items[i]) > 2 else True
+    return None
+
+
+def _colocated_with(op):
+  for group in op.colocation_groups():
+    name = group.decode() if isinstance(group, bytes) else group
+    if name.startswith("loc:@") and name[5:] != op.name:
+      yield name[5:]
+
+
+def assign_parts(ops, rank, owner, phase, recorder, split_tgs):
+  """{op name: part} for the ops of split TaskGraphs whose part is not 0."""
+  shard_of = _Intervals(recorder.shard_intervals)
+  parts = {}
+  for op in ops:                                   # creation order: targets come first
+    if owner.get(op) not in split_tgs:
+      continue
+    part = recorder.shard_ops.get(op.name)
+    if part is None:
+      part = shard_of.get(rank[op])
+    if part is None and phase[op] != "forward":
+      part = next((parts[n] for n in _colocated_with(op) if n in parts), None)
+      if part is None:
+        part = next((parts[t.op.name] for t in op.inputs if t.op.name in parts), None)
+    if part:
+      parts[op.name] = part
+  return parts
+
+
+def check_rules(ops, rank, owner, phase, recorder, split_tgs, specs):
+  """Refuses a forward op of a split TaskGraph that reads a sharded value without a rule."""
+  wholes = {t for t in recorder.sharded}
+  built_by_rule = _Intervals([(a, b, True) for a, b in recorder.rule_intervals])
+  for op in ops:
+    if owner.get(op) not in split_tgs or phase[op] != "forward" or rank[op] in built_by_rule:
+      continue
+    sharded = [t for t in op.inputs if t in wholes]
+    if sharded:
+      raise PlanError(
+          "op %r (type %s) of split TaskGraph %r reads the split value %r, but epl has no "
+          "split rule for it with these arguments. Supported inside epl.split: %s. Move the op "
+          "out of the split scope (it then reads the gathered value) or rewrite it with the "
+          "supported ops" % (op.name, op.type, specs[owner[op]].name, sharded[0].name,
+                             "; ".join(SUPPORTED)))
+
+
+def _batch_inputs(ops):
+  out = []
+  for op in ops:
+    if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS or op.type in PLACEHOLDER_OPS:
+      out.extend(t for t in op.outputs if t.shape.rank)
+  return out
+
+
+def batch_major(tensor, batch_inputs, within):
+  """True when ``tensor``'s first dimension is the batch dimension of an input it comes from
+  (an iterator's batch, a fed placeholder, a synthetic random batch)."""
+  if not tensor.shape.rank:
+    return False
+  dim = tensor.shape.dims[0].value
+  upstream, seen, work = set(), set(), [tensor.op]
+  while work:
+    op = work.pop()
+    if op in seen or op not in within:
+      continue
+    seen.add(op)
+    upstream.update(op.outputs)
+    work.extend(i.op for i in op.inputs)
+  return any(b in upstream and b.shape.dims[0].value == dim for b in batch_inputs)
+
+
+def crossings(ops, owner, phase, kinds, specs):
+  """Every tensor that flows between a replicated and a split TaskGraph in the forward or
+  backward pass (the update reads every copy's synchronised values as they are)."""
+  within = set(ops)
+  inputs = _batch_inputs(ops)
+  out = []
+  for op in ops:
+    dst = owner.get(op)
+    if phase[op] == "apply":       # the update reads the synchronised values of every copy
+      continue
+    for t in op.inputs:
+      src = owner.get(t.op)
+      if src is None or dst is None or src == dst or kinds[src] == kinds[dst] or \
+          phase[t.op] == "apply":
+        continue
+      variable = t.op if t.op.type in VARIABLE_OPS else (
+          t.op.inputs[0].op if t.op.type in READ_OPS and t.op.inputs and
+          t.op.inputs[0].op.type in VARIABLE_OPS else None)
+      if variable is not None:
+        raise PlanError(
+            "variable %r of TaskGraph %r is read by op %r of TaskGraph %r: a %s TaskGraph "
+            "cannot use a %s TaskGraph's variables; create the variable in the TaskGraph "
+            "that uses it" % (variable.name, specs[src].name, op.name, specs[dst].name,
+                              kinds[dst], kinds[src]))
+      out.append(Crossing(t.name, op.name, src, dst, kinds[dst] == "split",
+                          batch_major(t, inputs, within), phase[t.op] != "forward"))
+  return tuple(out)
+
+
+def move_inputs_to_copies(ops, owner, kinds):
+  """Data sources and fed batches created in a split TaskGraph belong to the first replicated
+  TaskGraph: every copy reads its own batch, and the split part reads the replica's rows."""
+  replicated = [t for t, k in sorted(kinds.items()) if k == "replicate"]
+  if not replicated:
+    return
+  for op in ops:
+    if kinds.get(owner.get(op)) == "split" and (
+        op.type in DATA_SOURCE_OPS or
+        (op.type in PLACEHOLDER_OPS and op.outputs[0].shape.rank != 0)):
+      owner[op] = replicated[0]
+
+
+def op_ranks(graph, upto):
+  ops = sorted(graph.get_operations(), key=compat.op_id)[:upto]
+  return ops, {op: i + 1 for i, op in enumerate(ops)}

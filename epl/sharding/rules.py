@@ -1,0 +1,299 @@
+"""Split rules: how ops built inside ``epl.split(device_count=N)`` run over N shards.
+
+Inside a split scope every variable of rank >= 1 is created sharded (a TF PartitionedVariable:
+part i lives on the scope's i-th device, holds the slice of the value the local model would
+have created -- the full initial value is computed once on the host and sliced -- and is saved
+in checkpoints as the whole variable): rank 1 and rank 2 variables along their last axis (a
+dense layer's bias and kernel: column parallel), rank >= 3 ones along their first axis (expert
+weights ``[E, ...]``). Reading such a variable gives a *sharded* value; each op built inside the
+scope that reads a sharded value is replaced by the rule for its op type (the table below).
+The rule builds the op's work per part -- each part's ops run on that part's device -- and
+whatever combines the parts, without ever gathering the whole value:
+
+=========================================  ===============================================
+op type (what builds it)                    sharded implementation
+=========================================  ===============================================
+MatMul (tf.layers.dense,                    x @ kernel_part per shard: the output is sharded
+  tf.keras.layers.Dense, tf.matmul)         along its columns; the whole x goes to each
+                                            shard (a sharded x is gathered first)
+BiasAdd and elementwise ops (activations,   per part; an operand that is not sharded is
+  add, mul, cast, comparisons, select ...)  sliced to the part (or broadcast)
+Reshape                                     per part, when the sharded axis stays the last
+Shape                                       the whole value's shape, from the parts
+Sum / Mean / Max / Min                      per part; over the sharded axis the parts'
+                                            results are combined (not sharded any more)
+Softmax / LogSoftmax over the sharded       per part, with the global max and sum of exps
+  axis                                      (the output stays sharded)
+SparseSoftmaxCrossEntropyWithLogits         per shard max, sum of exps and the label's
+  (tf.losses.sparse_softmax_cross_entropy,  logit, combined over shards: the loss needs only
+  tf.nn.sparse_softmax_...)                 [batch] vectors from each shard
+SoftmaxCrossEntropyWithLogits               the same with the labels sliced per shard
+  (tf.nn.softmax_cross_entropy_with_logits)
+ArgMax over the sharded axis (tf.argmax,    per shard max and argmax (+ the shard's offset),
+  accuracy)                                 then the shard holding the first global maximum
+Einsum (MoE: expert weights ``[E, ...]``)   the index of the sharded operand's sharded axis
+                                            splits every operand that carries it (an operand
+                                            made by an einsum -- the dispatch -- is itself
+                                            computed per shard); the output stays sharded
+                                            when it keeps the index, else the shards' results
+                                            are summed (the combine)
+=========================================  ===============================================
+
+An op built inside a split scope that reads a sharded value and has no rule here (or whose
+rule does not cover its arguments) is refused before training (``epl.plan.build``), with this
+list. Adding a rule is one row in ``RULES`` and one test.
+"""
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl.sharding import losses
+from epl.sharding.sharded import (axis_from_end, cut, enter_rule, exit_rule, part_name,
+                                  part_sizes, per_part, slices)
+
+SUPPORTED = (
+    "tf.layers.dense / tf.keras.layers.Dense / tf.matmul with a split kernel (column parallel)",
+    "bias add and elementwise ops (relu, gelu, tanh, sigmoid, add, mul, cast, equal, ...)",
+    "reshape keeping the split axis last", "tf.shape",
+    "tf.reduce_sum / reduce_mean / reduce_max / reduce_min", "tf.nn.softmax / log_softmax",
+    "tf.losses.sparse_softmax_cross_entropy / tf.nn.sparse_softmax_cross_entropy_with_logits",
+    "tf.nn.softmax_cross_entropy_with_logits", "tf.argmax (accuracy)",
+    "tf.einsum with expert weights [E, ...] (MoE dispatch / experts / combine)")
+
+def apply(scope, op_type, build, keywords, name):
+  """Runs the rule of ``op_type`` when one of its inputs is sharded.
+
+  ``build(**keywords)`` builds the op as TF would (returns its outputs). Returns the outputs
+  the op would have had, or None to build the op as usual.
+  """
+  rule = RULES.get(op_type)
+  if rule is None or not any(scope.lookup(t) is not None for t in _tensors(keywords)):
+    return None
+  first = scope.recorder.graph.version + 1
+  enter_rule()
+  try:
+    outputs = rule(scope, op_type, build, dict(keywords), name)
+  finally:
+    exit_rule()
+  if outputs is not None:
+    scope.recorder.add_rule_interval(first, scope.recorder.graph.version)
+  return outputs
+
+
+def _tensors(keywords):
+  for value in keywords.values():
+    if isinstance(value, (list, tuple)):
+      yield from (v for v in value if isinstance(v, tf.Tensor))
+    elif isinstance(value, tf.Tensor):
+      yield value
+
+
+# ---- rules -----------------------------------------------------------------------------------
+def elementwise(scope, op_type, build, kw, name):
+  first = next(scope.lookup(t) for t in _tensors(kw) if scope.lookup(t) is not None)
+  operands = {}
+  for key, value in kw.items():
+    pieces = cut(scope, value, first)
+    if pieces is None:
+      return None
+    operands[key] = pieces
+  outs = per_part(scope, first, lambda i: build(name=part_name(name, i), **{
+      k: v[i] for k, v in operands.items()})[0])
+  return [scope.register(outs, first.axis, first.sizes, name)]
+
+
+def matmul(scope, op_type, build, kw, name):
+  sb = scope.lookup(kw["b"])
+  if sb is None or kw.get("transpose_a") or kw.get("transpose_b") or sb.axis != 1:
+    return None
+  outs = per_part(scope, sb, lambda i: build(name=part_name(name, i), **dict(
+      kw, b=sb.parts[i]))[0])
+  return [scope.register(outs, 1, sb.sizes, name)]
+
+
+def _last_dim(shape):
+  """The static last entry of a shape tensor, or None."""
+  value = tf.get_static_value(shape, partial=True)
+  if value is not None and len(value) and value[-1] is not None:
+    return int(value[-1])
+  if shape.op.type == "ConcatV2":
+    last = tf.get_static_value(shape.op.inputs[-2], partial=True)
+    if last is not None and len(last) and last[-1] is not None:
+      return int(last[-1])
+  return None
+
+
+def reshape(scope, op_type, build, kw, name):
+  tensor, shape = kw["tensor"], kw["shape"]
+  sharded = scope.lookup(tensor)
+  if sharded is None or axis_from_end(sharded) != -1:
+    return None
+  shape = tf.convert_to_tensor(shape)
+  if _last_dim(shape) != sharded.total or shape.shape.rank != 1 or \
+      shape.shape.dims[0].value is None:
+    return None
+  rank = shape.shape.dims[0].value
+  outs = per_part(scope, sharded, lambda i: build(
+      tensor=sharded.parts[i], name=part_name(name, i),
+      shape=tf.concat([shape[:-1], tf.constant([sharded.sizes[i]], shape.dtype)], 0))[0])
+  return [scope.register(outs, rank - 1, sharded.sizes, name)]
+
+
+def shape_of(scope, op_type, build, kw, name):
+  sharded = scope.lookup(kw["input"])
+  out_type = tf.as_dtype(kw.get("out_type") or tf.int32)
+  if sharded.parts[0].shape.rank is None:
+    return None
+  with scope.shard(0):
+    shape = tf.shape(sharded.parts[0], out_type=out_type)
+  fix = np.zeros([len(sharded.parts[0].shape)], dtype=out_type.as_numpy_dtype)
+  fix[sharded.axis] = sharded.total - sharded.sizes[0]
+  return [tf.add(shape, fix, name=name)]
+
+
+def _axes(kw, rank):
+  value = tf.get_static_value(kw["reduction_indices"])
+  if value is None:
+    return None
+  return sorted({int(a) % rank for a in np.atleast_1d(value)})
+
+
+_PART = {"Sum": tf.reduce_sum, "Mean": tf.reduce_sum, "Max": tf.reduce_max,
+         "Min": tf.reduce_min}
+_COMBINE = {"Sum": tf.add_n, "Mean": tf.add_n,
+            "Max": lambda xs: tf.reduce_max(tf.stack(xs), axis=0),
+            "Min": lambda xs: tf.reduce_min(tf.stack(xs), axis=0)}
+
+
+def _count(part, axes):
+  """How many elements of ``part`` one reduction over ``axes`` sums (dynamic)."""
+  return tf.reduce_prod(tf.gather(tf.shape(part), axes)) if axes else tf.constant(1)
+
+
+def reduction(scope, op_type, build, kw, name):
+  sharded = scope.lookup(kw["input"])
+  rank = sharded.parts[0].shape.rank
+  axes = _axes(kw, rank) if rank is not None else None
+  if axes is None:
+    return None
+  keep = bool(kw.get("keep_dims"))
+  outs = per_part(scope, sharded, lambda i: _PART[op_type](sharded.parts[i], axis=axes,
+                                                            keepdims=keep))
+  if sharded.axis not in axes:
+    if op_type == "Mean":
+      outs = per_part(scope, sharded, lambda i: outs[i] / tf.cast(
+          _count(sharded.parts[i], axes), outs[i].dtype))
+    axis = sharded.axis if keep else sharded.axis - sum(1 for a in axes if a < sharded.axis)
+    return [scope.register(outs, axis, sharded.sizes, name)]
+  total = _COMBINE[op_type](outs)
+  if op_type == "Mean":
+    others = [a for a in axes if a != sharded.axis]
+    total = total / tf.cast(_count(sharded.parts[0], others) * sharded.total, total.dtype)
+  return [tf.identity(total, name=name)]
+
+
+def _einsum_operand(scope, tensor, spec, letter, sharded):
+  """``tensor`` (its einsum subscripts ``spec``) cut along ``letter`` like ``sharded``."""
+  axis = spec.index(letter)
+  mine = scope.lookup(tensor)
+  if mine is not None:
+    return list(mine.parts) if mine.axis == axis and mine.sizes == sharded.sizes else None
+  made = tensor.op
+  if made.type == "Einsum" and tensor.shape.rank is not None:
+    # computed per shard: only the shard's slice is ever made (MoE dispatch)
+    equation = made.get_attr("equation").decode()
+    specs, out_spec = equation.replace(" ", "").split("->")
+    specs = specs.split(",")
+    out_letter = out_spec[axis] if axis < len(out_spec) else None
+    if out_letter and "." not in out_spec and all(
+        out_letter not in s or scope.lookup(t) is None for s, t in zip(specs, made.inputs)):
+      cuts = []
+      for s, t in zip(specs, made.inputs):
+        if out_letter in s:
+          cuts.append(slices(scope, t, s.index(out_letter), sharded.sizes))
+        else:
+          cuts.append([t] * len(sharded.parts))
+      return per_part(scope, sharded, lambda i: tf.einsum(equation, *[c[i] for c in cuts]))
+  return slices(scope, tensor, axis, sharded.sizes)
+
+
+def einsum(scope, op_type, build, kw, name):
+  inputs, equation = list(kw["inputs"]), kw["equation"]
+  equation = equation.decode() if isinstance(equation, bytes) else equation
+  if "->" not in equation or "." in equation:
+    return None
+  specs, out_spec = equation.replace(" ", "").split("->")
+  specs = specs.split(",")
+  found = [(k, scope.lookup(t)) for k, t in enumerate(inputs) if scope.lookup(t) is not None]
+  if not found or len(specs) != len(inputs):
+    return None
+  k, sharded = found[0]
+  letter = specs[k][sharded.axis]
+  operands = []
+  for spec, tensor in zip(specs, inputs):
+    if letter not in spec:
+      operands.append([tensor] * len(sharded.parts))
+      continue
+    pieces = _einsum_operand(scope, tensor, spec, letter, sharded)
+    if pieces is None:
+      return None
+    operands.append(pieces)
+  outs = per_part(scope, sharded, lambda i: build(
+      inputs=[c[i] for c in operands], name=part_name(name, i), **{
+          key: v for key, v in kw.items() if key not in ("inputs", "name")})[0])
+  if letter in out_spec:
+    return [scope.register(outs, out_spec.index(letter), sharded.sizes, name)]
+  return [tf.add_n(outs, name=name)]              # the expert index is summed over: combine
+
+
+UNARY = ("Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu", "Tanh",
+         "Sigmoid", "Erf", "Exp", "Log", "Log1p", "Neg", "Abs", "Square", "Sqrt", "Rsqrt",
+         "Reciprocal", "Floor", "Round", "Cast", "Identity", "StopGradient", "ZerosLike",
+         "OnesLike", "LogicalNot", "IsNan", "IsFinite")
+BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+          "SquaredDifference", "Pow", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+          "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "BiasAdd")
+
+# op type -> rule(scope, op_type, build, keywords, name) -> outputs, or None when the rule
+# does not cover these arguments (the op is then built as usual, and refused at plan time if
+# it reads a sharded value)
+RULES = dict(
+    [(t, elementwise) for t in UNARY + BINARY] +
+    [("MatMul", matmul), ("Reshape", reshape), ("Shape", shape_of),
+     ("Sum", reduction), ("Mean", reduction), ("Max", reduction), ("Min", reduction),
+     ("Softmax", losses.softmax), ("LogSoftmax", losses.softmax),
+     ("SparseSoftmaxCrossEntropyWithLogits", losses.sparse_xent),
+     ("SoftmaxCrossEntropyWithLogits", losses.dense_xent),
+     ("ArgMax", losses.argmax), ("Einsum", einsum)])
+
+
+# ---- variables -------------------------------------------------------------------------------
+def split_axis(shape):
+  """The axis a variable created in a split scope is sharded along (None: not sharded)."""
+  rank = len(shape)
+  if rank == 0:
+    return None
+  return rank - 1 if rank <= 2 else 0
+
+
+def variable_layout(scope, shape):
+  """(axis, part sizes) of a variable of ``shape`` created in ``scope``, or None when it is
+  not sharded (a scalar, or fewer slices than 2 along the axis)."""
+  axis = split_axis(shape)
+  if axis is None or shape[axis] is None or shape[axis] < 2:
+    return None
+  return axis, part_sizes(shape[axis], min(scope.n, shape[axis]))
+
+
+def adopt_variable(scope, parts, axis):
+  """Registers a sharded variable: part i belongs to shard i; returns the whole value every
+  read of the variable gives (the concatenation of per-shard reads, registered sharded)."""
+  for i, part in enumerate(parts):
+    scope.recorder.shard_ops[part.op.name] = i
+  full_name = parts[0].op.name.rsplit("/", 1)[0]
+  reads = []
+  with tf.control_dependencies(None), tf.name_scope(None), tf.name_scope(full_name + "/"):
+    for i, part in enumerate(parts):
+      with scope.shard(i):
+        reads.append(tf.identity(part, name="read_part%d" % i))
+    return scope.register(reads, axis, [p.get_shape().as_list()[axis] for p in parts],
+                          name="sharded")
