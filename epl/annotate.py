@@ -155,6 +155,7 @@ class Recorder:
     self.rule_intervals = []   # (first, last) ops built by a rule (they may read sharded values)
     self.shard_ops = {}        # op name -> shard (variable parts)
     self.sharded = {}          # whole tensor -> epl.sharding.sharded.Sharded
+    self.sharded_shapes = {}   # tf.shape of a sharded value -> its Sharded
 
   def _new_spec(self, strategy, location):
     spec = TaskGraphSpec(len(self.specs), strategy.kind, strategy.device_count,

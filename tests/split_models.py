@@ -134,7 +134,7 @@ class Run:
   parallel: object = None
   memory: object = None
   graph: object = None
-  evaluated: Dict[str, np.ndarray] = None    # an evaluation run on 3 rows after training
+  evaluated: Dict[str, np.ndarray] = None    # an evaluation run (eval_rows rows) at the end
 
 
 def whole_values(sess, variables):
@@ -162,7 +162,7 @@ def load_whole(sess, variables, values):
 
 
 def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),
-          measure_memory=False):
+          measure_memory=False, eval_rows=3):
   """Trains ``steps`` steps of ``rows`` rows; ``config`` None: the local run."""
   graph = tf.Graph()
   with graph.as_default():
@@ -183,7 +183,7 @@ def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),
         values.pop("_")
         run.fetched.append(values)
       run.variables = whole_values(sess, variables)
-      feed = {p: d[:3] for p, d in zip(t["inputs"], data)}
+      feed = {p: d[:eval_rows] for p, d in zip(t["inputs"], data)}
       run.evaluated = sess.run({k: t[k] for k in fetch}, feed)
       if measure_memory:
         feed = {p: d[:rows] for p, d in zip(t["inputs"], data)}

@@ -60,6 +60,29 @@ def test_a_reloaded_plan_drives_an_identical_rewrite(config, model, stages):
   assert _nodes(first) == _nodes(second)
 
 
+def _split_graph():
+  from tests import split_models as sm
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 4,
+                         "cluster.colocate_split_and_replicate": True}))
+    trunk, head = sm.scopes(2, 2)
+    sm.classifier(50, trunk, head)
+  state = epl.Env.get()._state
+  return g, build_plan(g, state.recorder, state.config, state.cluster)
+
+
+def test_a_reloaded_split_plan_drives_an_identical_rewrite():
+  first, plan = _split_graph()
+  second, _ = _split_graph()
+  assert plan.parts and plan.crossings
+  reloaded = ParallelPlan.from_json(plan.to_json())
+  assert reloaded == plan
+  driver.run_passes(first, plan, 0)
+  driver.run_passes(second, reloaded, 0)
+  assert _nodes(first) == _nodes(second)
+
+
 def test_rewrite_runs_the_pass_list_in_its_order(monkeypatch):
   ran = []
 

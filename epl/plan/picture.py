@@ -4,8 +4,8 @@ communication between them.
   >>> epl.Graph.get().draw("plan.png")                  # in a script
   $ python -m epl.plan.picture plan.json plan.png       # from ``plan.to_json()``
 
-One row per worker, one box per device listing ``TaskGraph · copy``; boxes take their
-TaskGraph's colour. A dashed line joins the copies of a TaskGraph whose gradients are
+One row per worker, one box per device listing ``TaskGraph · copy`` (``TaskGraph · part``
+for a split TaskGraph); boxes take their TaskGraph's colour. A dashed line joins the copies of a TaskGraph whose gradients are
 all-reduced together; an arrow goes from each pipeline stage to the next inside a copy. The
 PNG is 100 dpi, (1.6 + 2.4 D) x (1.4 + 1.6 W) inches for W workers of D devices. Needs
 matplotlib (``pip install epl[plot]``).
@@ -53,6 +53,12 @@ def draw(plan, path):
   labels = {}
   for i, copy in enumerate(plan.copies):
     for t, devices in enumerate(copy.devices):
+      if plan.is_split(t):
+        if copy.shard == 0:                       # once per replica, a part per device
+          for j, d in enumerate(devices):
+            labels.setdefault(d, []).append((t, "%s · part %d/%d (replica %d)" % (
+                plan.taskgraphs[t].name, j, len(devices), copy.replica)))
+        continue
       for d in devices:
         labels.setdefault(d, []).append((t, "%s · copy %d" % (plan.taskgraphs[t].name, i)))
   for d, (x, y) in centre.items():
@@ -61,15 +67,20 @@ def draw(plan, path):
                                alpha=0.35, edgecolor="black"))
     short = d.rsplit("/device:", 1)[-1]
     ax.text(x, y + 0.38, short, ha="center", va="center", fontsize=8, weight="bold")
-    ax.text(x, y - 0.08, "\n".join(text for _, text in labels[d][:3]), ha="center",
+    ax.text(x, y - 0.08, "\n".join(text for _, text in labels[d][:4]), ha="center",
             va="center", fontsize=7)
   for t in plan.taskgraphs:                       # gradient all-reduce groups
-    group = plan.group_of(t.index)
-    if len(group) > 1:
-      xs, ys = zip(*(centre[d] for d in group))
-      ax.plot(xs, [y - 0.42 + 0.09 * (t.index % 4) for y in ys], "--",
-              color=COLOURS[t.index % 7], linewidth=1.5, label="all-reduce %s" % t.name)
+    parts = range(t.placement.devices) if plan.is_split(t.index) else [0]
+    for part in parts:
+      group = plan.group_of(t.index, part)
+      if len(group) > 1:
+        xs, ys = zip(*(centre[d] for d in group))
+        ax.plot(xs, [y - 0.42 + 0.09 * (t.index % 4) for y in ys], "--",
+                color=COLOURS[t.index % 7], linewidth=1.5,
+                label="all-reduce %s" % t.name if part == 0 else None)
   for copy in plan.copies:                        # pipeline hand-offs inside a copy
+    if any(plan.is_split(t) for t in range(len(copy.devices))):
+      continue                                    # split boundaries: gathers / scatters
     for a, b in zip(copy.devices, copy.devices[1:]):
       (x0, y0), (x1, y1) = centre[a[0]], centre[b[0]]
       if (x0, y0) != (x1, y1):

@@ -110,15 +110,41 @@ def matmul(scope, op_type, build, kw, name):
   return [scope.register(outs, 1, sb.sizes, name)]
 
 
-def _last_dim(shape):
-  """The static last entry of a shape tensor, or None."""
+def _folded(t):
+  """The value of a small integer tensor that TF's constant folding in Python misses
+  (``tf.stack([tf.rank(x) - 1])``), or None."""
+  value = tf.get_static_value(t)
+  if value is not None:
+    return value
+  if t.op.type == "Pack":
+    items = [_folded(i) for i in t.op.inputs]
+    return None if any(i is None for i in items) else np.stack(items)
+  if t.op.type in ("Sub", "AddV2", "Add"):
+    a, b = (_folded(i) for i in t.op.inputs)
+    if a is None or b is None:
+      return None
+    return a - b if t.op.type == "Sub" else a + b
+  return None
+
+
+def _last_dim(scope, shape):
+  """The static last entry of a shape tensor, or None. Knows TF's "flatten the outer
+  dimensions" idiom: concat([[-1], slice(tf.shape(x), [rank - 1], [1])])."""
   value = tf.get_static_value(shape, partial=True)
   if value is not None and len(value) and value[-1] is not None:
     return int(value[-1])
-  if shape.op.type == "ConcatV2":
-    last = tf.get_static_value(shape.op.inputs[-2], partial=True)
-    if last is not None and len(last) and last[-1] is not None:
-      return int(last[-1])
+  if shape.op.type != "ConcatV2":
+    return None
+  last = shape.op.inputs[-2]
+  value = tf.get_static_value(last, partial=True)
+  if value is not None and len(value) and value[-1] is not None:
+    return int(value[-1])
+  of = scope.recorder.sharded_shapes.get(last.op.inputs[0]) if last.op.type == "Slice" else None
+  begin = _folded(last.op.inputs[1]) if of is not None else None
+  rank = of.parts[0].shape.rank if of is not None else None
+  if begin is not None and rank is not None and int(np.ravel(begin)[0]) == rank - 1 and \
+      of.axis == rank - 1:
+    return of.total
   return None
 
 
@@ -128,7 +154,7 @@ def reshape(scope, op_type, build, kw, name):
   if sharded is None or axis_from_end(sharded) != -1:
     return None
   shape = tf.convert_to_tensor(shape)
-  if _last_dim(shape) != sharded.total or shape.shape.rank != 1 or \
+  if _last_dim(scope, shape) != sharded.total or shape.shape.rank != 1 or \
       shape.shape.dims[0].value is None:
     return None
   rank = shape.shape.dims[0].value
@@ -147,7 +173,9 @@ def shape_of(scope, op_type, build, kw, name):
     shape = tf.shape(sharded.parts[0], out_type=out_type)
   fix = np.zeros([len(sharded.parts[0].shape)], dtype=out_type.as_numpy_dtype)
   fix[sharded.axis] = sharded.total - sharded.sizes[0]
-  return [tf.add(shape, fix, name=name)]
+  out = tf.add(shape, fix, name=name)
+  scope.recorder.sharded_shapes[out] = sharded
+  return [out]
 
 
 def _axes(kw, rank):
@@ -251,7 +279,7 @@ UNARY = ("Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu", "T
          "OnesLike", "LogicalNot", "IsNan", "IsFinite")
 BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
           "SquaredDifference", "Pow", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
-          "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "BiasAdd")
+          "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Select", "BiasAdd")
 
 # op type -> rule(scope, op_type, build, keywords, name) -> outputs, or None when the rule
 # does not cover these arguments (the op is then built as usual, and refused at plan time if

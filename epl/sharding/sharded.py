@@ -135,7 +135,7 @@ def cut(scope, tensor, sharded):
   dim = tensor.shape.dims[rank + from_end].value
   if dim == 1:
     return [tensor] * len(sharded.parts)
-  if dim != sharded.total:
+  if dim is not None and dim != sharded.total:       # unknown: sliced (a mismatch fails loudly)
     return None
   return slices(scope, tensor, rank + from_end, sharded.sizes)
 
