@@ -125,13 +125,14 @@ def _differentiating():
     _building.depth = depth
 
 
-def _split_scope():
-  """The open epl.split scope's rules context, or None (none open, or inside tf.gradients /
+def _split_scope(inputs=()):
+  """The rules context of the split TaskGraph an op built now joins (an open epl.split
+  scope, or the one that sharded one of ``inputs``), or None (none, or inside tf.gradients /
   an optimizer, whose ops follow the forward ops they belong to)."""
   if _listener is None or getattr(_building, "depth", 0):
     return None
   graph = _ops.get_default_graph()
-  return _listener.split_scope(graph) if _manages(graph) else None
+  return _listener.split_scope(graph, inputs) if _manages(graph) else None
 
 
 def _gradients_hook(original):
@@ -241,9 +242,9 @@ def _apply_op_hook(original):
   """Inside a split scope, an op that reads a sharded value is built by its split rule."""
   def apply_op(op_type_name, name=None, **keywords):
     if op_type_name in _split_rules.RULES and not _sharded.in_rule():
-      scope = _split_scope()
+      keywords = {k: _whole(v) for k, v in keywords.items()}
+      scope = _split_scope(list(_split_rules.tensors(keywords)))
       if scope is not None:
-        keywords = {k: _whole(v) for k, v in keywords.items()}
         outputs = _split_rules.apply(
             scope, op_type_name, lambda **kw: original(op_type_name, **kw)[3], keywords, name)
         if outputs is not None:

@@ -153,6 +153,8 @@ class Recorder:
     # epl.split: what its rules built (epl.sharding.rules)
     self.shard_intervals = []  # (first, last, shard) ops of one shard
     self.rule_intervals = []   # (first, last) ops built by a rule (they may read sharded values)
+    self._claimed = []         # (first, last, TaskGraph index): ops a split rule built outside
+                               # its scope (they read a sharded value): they join its TaskGraph
     self.shard_ops = {}        # op name -> shard (variable parts)
     self.sharded = {}          # whole tensor -> epl.sharding.sharded.Sharded
     self.sharded_shapes = {}   # tf.shape of a sharded value -> its Sharded
@@ -197,9 +199,11 @@ class Recorder:
     if last >= first:
       self.shard_intervals.append((first, last, shard))
 
-  def add_rule_interval(self, first, last):
+  def add_rule_interval(self, first, last, taskgraph=None):
     if last >= first:
       self.rule_intervals.append((first, last))
+      if taskgraph is not None and self.taskgraph_of(first) != taskgraph:
+        self._claimed.append((first, last, taskgraph))
 
   def add_phase(self, first_id, last_id, phase):
     if last_id >= first_id:
@@ -210,8 +214,13 @@ class Recorder:
 
     Inside a scope: that scope. Outside: the default strategy's TaskGraph if one is set,
     else the most recent TaskGraph; ops created before the first annotation join the first.
+    An op that reads a value sharded by a split TaskGraph joins that TaskGraph wherever it is
+    built (its split rule builds it).
     """
     if not self.specs:
       return None
+    for first, last, index in self._claimed:
+      if first <= op_id <= last:
+        return index
     i = bisect.bisect_left(self._starts, op_id) - 1
     return self._owners[i] if i >= 0 else self._owners[0]

@@ -7,7 +7,8 @@ batch, while a replicated TaskGraph runs in each of the replica's k copies on 1/
 For every crossing and local replica:
 
 * into the split TaskGraph (``gather``): a batch-major value is the concatenation of the k
-  copies' rows, built on each consuming device (an all-gather over TF's send/recv); any other
+  copies' rows, built on each consuming device (an all-gather over TF's send/recv), or for
+  an iterator's output the replica's batch before ``replicate`` split it; any other
   value is copy 0's (the copies hold equal weights), or for a gradient the sum of the copies';
 * out of it (``scatter``): copy j reads its own rows of a batch-major value, sliced on the
   producing device (only those rows travel), or the whole value otherwise.
@@ -63,7 +64,7 @@ def bridge(ctx):
   if not plan.crossings or k == 1:
     return Bridges([])
   analysis, clones = ctx.result("analyze"), ctx.clones()
-  cloned = analysis.cloned_set
+  cloned, sources = analysis.cloned_set, set(analysis.sources)
   leads = [c for c in range(worker.num_copies) if worker.copies[c].shard == 0]
   crossings = [x for x in plan.crossings
                if graph.get_tensor_by_name(x.tensor).op in cloned and
@@ -79,6 +80,15 @@ def bridge(ctx):
       for lead in leads:
         members = list(range(lead, lead + k))
         values = [clones.tensor(c, tensor) for c in members]
+        if x.gather and tensor.op in sources:
+          # an iterator's batch: the replica's first copy pulls the whole replica batch and
+          # splits it k ways (``replicate``); the split part reads the unsplit batch
+          user = clones.op(lead, consumer)
+          whole = values[0]
+          _retarget(user, {i for i in user.inputs
+                           if i.op.type == "Split" and i.op.inputs[1] is whole}, whole)
+          built.append(("gather", x.tensor, whole))
+          continue
         if x.gather:
           user = clones.op(lead, consumer)
           key = (x.tensor, lead, user.device, factor)

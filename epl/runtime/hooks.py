@@ -59,18 +59,24 @@ class Dispatcher:
   def on_apply(self, graph, grads_and_vars):
     self.state.recorder.grads_and_vars.extend(grads_and_vars)
 
-  def split_scope(self, graph):
+  def split_scope(self, graph, inputs=()):
     """The rules context (epl.sharding.rules.SplitScope) of the split TaskGraph that an op
-    created now joins -- inside ``with epl.split(...)`` or after it, outside any scope -- or
-    None."""
+    created now joins -- inside ``with epl.split(...)`` or after it, outside any scope, or
+    anywhere when it reads one of ``inputs`` that a split TaskGraph sharded -- or None."""
     recorder = self.state.recorder
     index = recorder.taskgraph_of(graph.version + 1)
-    if index is None or recorder.specs[index].kind != annotate.SPLIT:
+    if index is None:
       return None
+    if recorder.specs[index].kind != annotate.SPLIT:
+      owners = [recorder.sharded[t].taskgraph for t in inputs
+                if isinstance(t, tf.Tensor) and t in recorder.sharded]
+      if not owners:
+        return None
+      index = owners[0]
     scope = self._split_scopes.get(index)
     if scope is None:
       count = recorder.specs[index].device_count or self.state.cluster.total_gpu_num
-      scope = self._split_scopes[index] = SplitScope(count, recorder)
+      scope = self._split_scopes[index] = SplitScope(count, recorder, index)
     return scope
 
   def on_gradients(self, graph, xs, grads):

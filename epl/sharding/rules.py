@@ -66,7 +66,7 @@ def apply(scope, op_type, build, keywords, name):
   the op would have had, or None to build the op as usual.
   """
   rule = RULES.get(op_type)
-  if rule is None or not any(scope.lookup(t) is not None for t in _tensors(keywords)):
+  if rule is None or not any(scope.lookup(t) is not None for t in tensors(keywords)):
     return None
   first = scope.recorder.graph.version + 1
   enter_rule()
@@ -75,11 +75,11 @@ def apply(scope, op_type, build, keywords, name):
   finally:
     exit_rule()
   if outputs is not None:
-    scope.recorder.add_rule_interval(first, scope.recorder.graph.version)
+    scope.recorder.add_rule_interval(first, scope.recorder.graph.version, scope.taskgraph)
   return outputs
 
 
-def _tensors(keywords):
+def tensors(keywords):
   for value in keywords.values():
     if isinstance(value, (list, tuple)):
       yield from (v for v in value if isinstance(v, tf.Tensor))
@@ -89,7 +89,7 @@ def _tensors(keywords):
 
 # ---- rules -----------------------------------------------------------------------------------
 def elementwise(scope, op_type, build, kw, name):
-  first = next(scope.lookup(t) for t in _tensors(kw) if scope.lookup(t) is not None)
+  first = next(scope.lookup(t) for t in tensors(kw) if scope.lookup(t) is not None)
   operands = {}
   for key, value in kw.items():
     pieces = cut(scope, value, first)

@@ -21,6 +21,7 @@ class Sharded:
   parts: Tuple[tf.Tensor, ...]
   axis: int
   sizes: Tuple[int, ...]
+  taskgraph: int = None           # index of the split TaskGraph whose rules made it
 
   @property
   def offsets(self):
@@ -64,9 +65,10 @@ _active = threading.local()
 class SplitScope:
   """The open split scope: its shard count and where its rules record what they build."""
 
-  def __init__(self, shards, recorder):
+  def __init__(self, shards, recorder, taskgraph=None):
     self.n = shards
     self.recorder = recorder
+    self.taskgraph = taskgraph      # the split TaskGraph's index
 
   @contextlib.contextmanager
   def shard(self, index):
@@ -83,7 +85,7 @@ class SplitScope:
     concatenation only runs if something outside the rules (a fetch, another TaskGraph)
     reads the whole value."""
     whole = tf.concat(list(parts), axis=axis, name=name or "epl_sharded")
-    self.recorder.sharded[whole] = Sharded(tuple(parts), axis, tuple(sizes))
+    self.recorder.sharded[whole] = Sharded(tuple(parts), axis, tuple(sizes), self.taskgraph)
     return whole
 
 
