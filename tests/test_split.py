@@ -146,6 +146,13 @@ def test_memory_of_the_classifier_per_device_is_a_shard():
   split_peak = max(split.memory.peak(d) for d in split_devices)
   dp_peak = max(dp.memory.peak(d) for d in split_devices)
   assert 0 < split_peak < 0.5 * dp_peak, (str(split.memory), str(dp.memory))
+  # every op sits on the device of the ops TF colocates it with (a gradient AddN colocated
+  # with part 0 but placed with part 1 once made TF's placer move part 0's matmuls to the host)
+  for op in split.graph.get_operations():
+    for group in op.colocation_groups():
+      target = split.graph.get_operation_by_name(group.decode()[len("loc:@"):])
+      assert not op.device or not target.device or op.device == target.device, (
+          op.name, op.device, target.name, target.device)
 
 
 MOE_CASES = {"2 devices": 2, "4 devices": 4}

@@ -44,20 +44,24 @@ def _colocated_with(op):
 def assign_parts(ops, rank, owner, phase, recorder, split_tgs):
   """{op name: part} for the ops of split TaskGraphs whose part is not 0."""
   shard_of = _Intervals(recorder.shard_intervals)
-  parts = {}
+  parts = {}                    # every op with a known part, part 0 included
   for op in ops:                                   # creation order: targets come first
     if owner.get(op) not in split_tgs:
       continue
     part = recorder.shard_ops.get(op.name)
     if part is None:
       part = shard_of.get(rank[op])
-    if part is None and phase[op] != "forward":
+    if part is None:
+      # an op sits with the op TF colocates it with (a variable part's read; an AddN of
+      # the parts' gradients with the first part): TF's placer would move a group whose
+      # members disagree
       part = next((parts[n] for n in _colocated_with(op) if n in parts), None)
-      if part is None:
-        part = next((parts[t.op.name] for t in op.inputs if t.op.name in parts), None)
-    if part:
+    if part is None and phase[op] != "forward":
+      # else a gradient op sits with its first input that has a part
+      part = next((parts[t.op.name] for t in op.inputs if t.op.name in parts), None)
+    if part is not None:
       parts[op.name] = part
-  return parts
+  return {name: part for name, part in parts.items() if part}
 
 
 def check_rules(ops, rank, owner, phase, recorder, split_tgs, specs):
