@@ -15,7 +15,7 @@ from epl.io_slicing import assign_files
 from epl.op_tables import VARIABLE_OPS
 from epl.runtime import driver, faults, serve
 from epl.runtime.feeds import ALL
-from epl.runtime.progress import Progress, flatten
+from epl.runtime.progress import Progress
 from epl.runtime.session_config import session_config
 
 log = logging.getLogger("epl")
@@ -129,8 +129,12 @@ class Dispatcher:
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
     progress = self._progress
-    if progress is not None and progress.trains(flatten(session.graph, fetches)):
+    if progress is not None and progress.trains_fetches(session.graph, fetches):
       report = progress.due()
+      if not report and not feed_dict:          # the common step: count it, nothing else
+        result = self._step(session, original, fetches, feed_dict, options, run_metadata)
+        progress.step(None, False)
+        return result
       rows = progress.fed_rows(feed_dict)
       extra = progress.rows_tensor() if rows is None and report else None
       if extra is None:

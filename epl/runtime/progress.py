@@ -34,6 +34,27 @@ def flatten(graph, fetches):
   return [fetches]
 
 
+_ELEMENTS = (tf.Tensor, tf.Operation, str, tf.Variable, tf.compat.v2.Variable)
+
+
+def _fetch_key(fetches, element_types):
+  """A hashable key for a fetch structure made of graph elements, else None.
+  ``element_types``: the types already seen to be graph elements (isinstance checks against
+  TF's abstract classes cost microseconds)."""
+  def element(f):
+    if type(f) in element_types:
+      return True
+    if isinstance(f, _ELEMENTS):
+      element_types.add(type(f))
+      return True
+    return False
+  if element(fetches):
+    return fetches
+  if type(fetches) in (list, tuple) and all(element(f) for f in fetches):
+    return (type(fetches),) + tuple(fetches)
+  return None
+
+
 class Progress:
   """Counts training steps and logs their rate; ``every`` 0 turns it off."""
 
@@ -45,6 +66,8 @@ class Progress:
     self._started = clock()
     self._steps = self._window_steps = 0
     self._trains = {}
+    self._by_fetches = {}
+    self._element_types = set()
     self._rows_tensor = None
     analysis = parallel.analysis
     self._batch = {op.outputs[0] for op in analysis.batch_placeholders} if analysis else set()
@@ -65,6 +88,17 @@ class Progress:
 
   def trains(self, elements):
     return any(self._reaches_update(e) for e in elements)
+
+  def trains_fetches(self, graph, fetches):
+    """``trains`` of a fetch structure; remembered for the shapes a training loop repeats
+    (one graph element, or a list / tuple of them), so a step costs one dict lookup."""
+    key = _fetch_key(fetches, self._element_types)
+    found = self._by_fetches.get(key) if key is not None else None
+    if found is None:
+      found = self.trains(flatten(graph, fetches))
+      if key is not None and len(self._by_fetches) < 4096:
+        self._by_fetches[key] = found
+    return found
 
   def _reaches_update(self, element):
     op = element if isinstance(element, tf.Operation) else getattr(element, "op", None)
