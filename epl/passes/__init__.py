@@ -12,12 +12,17 @@ pass is one module plus one line here.
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
+  offload        weights, slots and the update on the host CPU (offload.level v0)
+  apply_groups   the update in sequential groups balanced by size (optimizer.num_apply_group)
 """
 from epl.passes.analyze import analyze
+from epl.passes.apply_groups import apply_groups
 from epl.passes.bridge import bridge
 from epl.passes.grad_sync import gradient_sync
 from epl.passes.micro_batch import micro_batch
+from epl.passes.offload import offload
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
 
-PASSES = (analyze, replicate, bridge, micro_batch, schedule, gradient_sync)
+PASSES = (analyze, replicate, bridge, micro_batch, schedule, gradient_sync, offload,
+          apply_groups)

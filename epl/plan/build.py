@@ -10,7 +10,8 @@ from epl.errors import NotImplementedYetError, PlanError
 from epl.plan import split as split_facts
 from epl.plan.attribution import attribute_ops
 from epl.plan.placement import Replicate, Split
-from epl.plan.plan import PHASES, Communication, Copy, Gradient, ParallelPlan, TaskGraphPlan
+from epl.plan.plan import (PHASES, Communication, Copy, Gradient, Memory, ParallelPlan,
+                           TaskGraphPlan)
 from epl.plan.schedule import make_schedule
 
 
@@ -31,7 +32,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   common = dict(num_micro_batch=config.pipeline.num_micro_batch,
                 pipeline_strategy=config.pipeline.strategy,
                 hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)),
-                communication=communication(config), has_gpu=cluster.has_gpu)
+                communication=communication(config), has_gpu=cluster.has_gpu,
+                memory=Memory(config.offload.level, config.optimizer.num_apply_group))
   if not recorder.specs:
     return ParallelPlan((), (), 1, schedule=(), **common)
   upto = graph.version if upto_version is None else upto_version
@@ -109,6 +111,11 @@ def _placements(specs, config, cluster):
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
         "every replicate scope the same device_count" % ", ".join(
             "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
+  if config.offload.level and has_split:
+    raise NotImplementedYetError(
+        "offload.level %r with epl.split is not implemented yet in epl (the split parts are "
+        "what keeps a large weight small per device); unset offload.level" %
+        config.offload.level)
   if config.pipeline.num_micro_batch > 1 and has_split:
     raise NotImplementedYetError(
         "pipeline.num_micro_batch > 1 with epl.split is not implemented yet in epl; use "

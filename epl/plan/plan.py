@@ -104,6 +104,13 @@ class Communication:
 
 
 @dataclasses.dataclass(frozen=True)
+class Memory:
+  """Where weights live and how the update runs (``offload.*``, ``optimizer.*`` keys)."""
+  offload: str = ""             # "v0": weights, slots and their update on the host
+  num_apply_group: int = 1      # the update in this many sequential groups
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelPlan:
   """The whole job's plan (see the module docstring).
 
@@ -124,6 +131,7 @@ class ParallelPlan:
   has_gpu: bool = False
   parts: Mapping[str, int] = dataclasses.field(default_factory=dict)  # split op -> its part
   crossings: Tuple[Crossing, ...] = ()
+  memory: Memory = Memory()
 
   # ---- the job -------------------------------------------------------------------------
   @property
@@ -192,6 +200,7 @@ class ParallelPlan:
     raw["shared_variables"] = tuple(raw["shared_variables"])
     raw["communication"] = Communication(**raw["communication"])
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
+    raw["memory"] = Memory(**raw.get("memory", {}))
     return cls(**raw)
 
   def __str__(self):

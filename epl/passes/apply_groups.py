@@ -1,0 +1,133 @@
+"""Grouped apply pass (``optimizer.num_apply_group: g``): the optimizer's update runs in g
+sequential groups, so the temporaries of only one group are alive at a time.
+
+Expects: the plan's gradients (the trained variables) and apply phase, and the clones.
+For each TaskGraph, its trained variables are split into g groups balanced by size (largest
+first, each to the lightest group); a variable's *unit* is every apply-phase write of the
+variable or of its slots (a variable named ``<var>/...`` written in the apply phase: Adam's
+``m`` and ``v``, BERT's ``adam_m``) and the apply-phase ops that only feed those writes. In
+every model copy, the first ops of group k wait (a control dependency on one ``NoOp`` per
+group) until every write of group k-1 has run. Ops that feed several groups (a learning-rate
+schedule, a global norm) and the optimizer's once-per-step bookkeeping (Adam's beta powers,
+``global_step``, which already wait for every update) are left as they are. Returns
+``ApplyGroups``.
+"""
+import dataclasses
+from typing import Tuple
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.op_tables import VARIABLE_OPS, mutates
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyGroups:
+  groups: Tuple[Tuple[Tuple[str, ...], ...], ...] = ()  # per TaskGraph: variables per group
+  barriers: int = 0                                     # NoOps built (all copies)
+
+  def __str__(self):
+    return "ApplyGroups(%s)" % "; ".join(
+        " | ".join(",".join(g) for g in groups) for groups in self.groups)
+
+
+def _written(op):
+  """The variable op an apply-phase op writes, or None."""
+  if not mutates(op):
+    return None
+  for t in op.inputs:
+    if t.op.type in VARIABLE_OPS:
+      return t.op
+  return None
+
+
+def _size(var_op):
+  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
+      tf.TensorShape(var_op.get_attr("shape"))
+  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
+
+
+def _balance(sizes, g):
+  """Variables (name -> size) into at most g groups: largest first, each to the lightest."""
+  groups, loads = [[] for _ in range(g)], [0] * g
+  for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+    i = loads.index(min(loads))
+    groups[i].append(name)
+    loads[i] += sizes[name]
+  return [sorted(grp) for grp in groups if grp]
+
+
+def _owner_of(written, trained):
+  """The trained variable a written variable belongs to (itself or a slot of it)."""
+  best = None
+  for name in trained:
+    if written == name or written.startswith(name + "/"):
+      if best is None or len(name) > len(best):
+        best = name
+  return best
+
+
+def _ancestors(ops, members):
+  """Every op of ``members`` that ``ops`` depend on (data or control), ``ops`` included."""
+  seen, work = set(), list(ops)
+  while work:
+    op = work.pop()
+    if op in seen or op not in members:
+      continue
+    seen.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return seen
+
+
+def apply_groups(ctx):
+  """Runs the pass; see the module docstring."""
+  g = ctx.plan.memory.num_apply_group
+  if g <= 1:
+    return ApplyGroups()
+  graph, clones = ctx.graph, ctx.clones()
+  get = graph.get_operation_by_name
+  trained = {gr.variable for gr in ctx.plan.gradients}
+  initialisers = {v.initializer for key in (tf.GraphKeys.GLOBAL_VARIABLES,
+                                            tf.GraphKeys.LOCAL_VARIABLES)
+                  for v in graph.get_collection(key)}      # built with the slots: not the step
+  applied = [op for op, phase in ctx.phase.items()
+             if phase == "apply" and op not in initialisers]
+  plan_groups, barriers = [], 0
+  for tg in sorted({ctx.owner[get(v)] for v in trained}):
+    members = {op for op in applied if ctx.owner.get(op) == tg}
+    writes = {}                                   # trained variable -> its unit's writes
+    for op in members:
+      var = _written(op)
+      owner = _owner_of(var.name, trained) if var is not None else None
+      if owner is not None and ctx.owner.get(get(owner)) == tg:
+        writes.setdefault(owner, []).append(op)
+    groups = _balance({v: _size(get(v)) for v in writes}, g)
+    if len(groups) < 2:
+      plan_groups.append(tuple(tuple(grp) for grp in groups))
+      continue
+    reach = [_ancestors([w for v in grp for w in writes[v]], members) for grp in groups]
+    units = []
+    for k, ops in enumerate(reach):
+      others = set().union(*(r for j, r in enumerate(reach) if j != k))
+      # constants and other input-less ops stay out: a control input on them is not work
+      # (and TF's graph optimiser may merge them with constants the initialisers use)
+      unit = {op for op in ops - others if op.inputs or op.control_inputs}
+      roots = [op for op in unit if not compat.in_control_flow(op) and
+               not any(t.op in unit for t in op.inputs) and
+               not any(c in unit for c in op.control_inputs)]
+      units.append((unit, roots, [w for v in groups[k] for w in writes[v]]))
+    for c in range(ctx.worker.num_copies):
+      if any(clones.op(c, w) is None for _, _, ws in units for w in ws):
+        continue                                   # the TaskGraph has no copy here
+      for k in range(1, len(units)):
+        previous = [clones.op(c, w) for w in units[k - 1][2]]
+        with graph.as_default(), tf.name_scope(None), tf.device(previous[0].device), \
+            tf.control_dependencies(previous):
+          barrier = tf.no_op(name="epl_apply_group_%d" % k)
+        barriers += 1
+        for root in units[k][1]:
+          compat.add_control_inputs(clones.op(c, root), [barrier])
+    plan_groups.append(tuple(tuple(grp) for grp in groups))
+  return ApplyGroups(tuple(plan_groups), barriers)

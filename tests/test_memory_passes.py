@@ -1,0 +1,156 @@
+"""CPU offload (offload.level v0) and grouped apply (optimizer.num_apply_group): each trains
+the local model, and each shows the memory it saves (epl.memory per device)."""
+import contextlib
+import functools
+import re
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from tests import split_models as sm
+
+FEATURES, ROWS, STEPS = 12, 8, 5
+
+
+class HandWrittenAdam(tf.train.Optimizer):
+  """Adam with decoupled weight decay, written the way BERT's optimization.py writes it:
+  slots by get_variable, the update as plain ops (temporaries the size of each weight)."""
+
+  def __init__(self, learning_rate):
+    super().__init__(False, "HandWrittenAdam")
+    self.lr = learning_rate
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    updates = []
+    for grad, var in grads_and_vars:
+      name = var.op.name
+      m = tf.get_variable(name + "/adam_m", var.shape, initializer=tf.zeros_initializer(),
+                          trainable=False)
+      v = tf.get_variable(name + "/adam_v", var.shape, initializer=tf.zeros_initializer(),
+                          trainable=False)
+      next_m = 0.9 * m + 0.1 * grad
+      next_v = 0.999 * v + 0.001 * tf.square(grad)
+      update = next_m / (tf.sqrt(next_v) + 1e-6) + 0.01 * var
+      updates += [var.assign(var - self.lr * update), m.assign(next_m), v.assign(next_v)]
+    with tf.control_dependencies(updates):
+      return global_step.assign_add(1) if global_step is not None else tf.group(*updates)
+
+
+def mlp(optimizer="adam", widths=(64, 64), classes=10, features=FEATURES):
+  """(parallel) -> a model builder: a tf.layers MLP, clipping, Adam or HandWrittenAdam."""
+  return lambda parallel: functools.partial(_mlp, optimizer, widths, classes, features,
+                                            parallel)
+
+
+def _mlp(optimizer, widths, classes, features, parallel):
+  x = tf.placeholder(tf.float32, [None, features], name="x")
+  y = tf.placeholder(tf.int64, [None], name="y")
+  with epl.replicate(1, name="model") if parallel else contextlib.nullcontext():
+    h = x
+    for i, w in enumerate(widths):
+      h = tf.layers.dense(h, w, activation=tf.nn.relu,
+                          kernel_initializer=tf.glorot_uniform_initializer(seed=i + 1),
+                          name="dense_%d" % i)
+    logits = tf.layers.dense(h, classes, name="logits",
+                             kernel_initializer=tf.glorot_uniform_initializer(seed=9))
+    loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+  step = tf.train.get_or_create_global_step()
+  opt = HandWrittenAdam(0.01) if optimizer == "hand" else tf.train.AdamOptimizer(0.01)
+  grads, variables = zip(*opt.compute_gradients(loss))
+  grads, _ = tf.clip_by_global_norm(grads, 1.0)
+  train_op = opt.apply_gradients(zip(grads, variables), global_step=step)
+  return dict(inputs=(x, y), loss=loss, train_op=train_op, step=step)
+
+
+def train(model, config=None, steps=STEPS, rows=ROWS, data=None, **kw):
+  data = data or sm.classification_data(steps * rows, 10)
+  return sm.train(model(config is not None), data, steps, rows, config=config,
+                  fetch=("loss",), **kw)
+
+
+def assert_same(run, local):
+  np.testing.assert_allclose([f["loss"] for f in run.fetched],
+                             [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
+  assert run.variables["global_step"] == len(local.fetched)    # one update per step
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def config(devices, **keys):
+  return epl.Config(dict({"cluster.devices_per_worker": devices, "log.level": "warning"},
+                         **keys))
+
+
+# ---- offload -----------------------------------------------------------------------------
+@pytest.mark.parametrize("devices,optimizer", [(1, "adam"), (2, "adam"), (2, "hand")])
+def test_offload_trains_the_local_model(devices, optimizer):
+  local = train(mlp(optimizer))
+  run = train(mlp(optimizer), config(devices, **{"offload.level": "v0"}),
+              initial=local.initial, measure_memory=True)
+  assert_same(run, local)
+  # no weight, slot or optimizer state is held by an accelerator device; the host holds
+  # every copy's
+  report = run.memory
+  devices_used = [d for d in report.devices() if not d.endswith("CPU:0")]
+  for d in devices_used:
+    assert report.held(d) == 0, str(report)
+  host = next(d for d in report.devices() if d.endswith("CPU:0"))
+  per_copy = sum(v.nbytes for k, v in local.variables.items() if k != "global_step")
+  assert report.held(host) >= per_copy * (devices if devices > 1 else 1), str(report)
+  offloaded = run.parallel.results["offload"]
+  assert len(offloaded.variables) >= len(local.variables) - 1
+
+
+def test_offload_without_it_weights_sit_on_the_devices():
+  """The control: the same measurement sees the weights when offload is off."""
+  run = train(mlp(), config(2), measure_memory=True)
+  for d in run.memory.devices():
+    if not d.endswith("CPU:0"):
+      assert run.memory.held(d) > 0, str(run.memory)
+
+
+# ---- grouped apply -----------------------------------------------------------------------
+@pytest.mark.parametrize("devices,optimizer", [(1, "hand"), (2, "hand"), (2, "adam")])
+def test_grouped_apply_trains_the_local_model(devices, optimizer):
+  local = train(mlp(optimizer, widths=(64, 32, 48)))
+  run = train(mlp(optimizer, widths=(64, 32, 48)),
+              config(devices, **{"optimizer.num_apply_group": 3}), initial=local.initial)
+  assert_same(run, local)
+  groups = run.parallel.results["apply_groups"]
+  (per_tg,) = groups.groups
+  assert len(per_tg) == 3
+  trained = sorted(v for v in local.variables if re.match(r"(dense_\d|logits)/(kernel|bias)$", v))
+  assert sorted(v for g in per_tg for v in g) == trained
+  assert groups.barriers == 2 * devices          # per copy: a barrier between two groups
+
+
+def _group_sizes(groups, variables):
+  return [sum(variables[v].size for v in g) for g in groups]
+
+
+def test_grouped_apply_balances_by_size():
+  local = train(mlp("hand", widths=(256, 16, 16)), steps=1)
+  run = train(mlp("hand", widths=(256, 16, 16)), config(1, **{"optimizer.num_apply_group": 2}),
+              steps=1)
+  (groups,) = run.parallel.results["apply_groups"].groups
+  sizes = _group_sizes(groups, local.variables)
+  # the 16x256 and 256x16 kernels go to different groups
+  assert max(sizes) < 0.6 * sum(sizes), (groups, sizes)
+
+
+def test_grouped_apply_lowers_the_peak_of_the_update():
+  """A hand-written optimizer's temporaries (next_m, next_v, the update: each the size of
+  its weight) are alive for one group at a time."""
+  widths, features = (512, 512, 512), 512
+  data = sm.classification_data(ROWS, 10)
+  data = (np.random.RandomState(0).randn(ROWS, features).astype(np.float32), data[1])
+  peaks = {}
+  for g in (1, 4):
+    run = train(mlp("hand", widths=widths, features=features),
+                config(1, **{"optimizer.num_apply_group": g}), steps=1, data=data,
+                measure_memory=True)
+    peaks[g] = max(run.memory.peak(d) for d in run.memory.devices())
+  assert peaks[4] < 0.8 * peaks[1], peaks
