@@ -56,20 +56,33 @@ def step_peaks(run_metadata):
       continue
     ends = {n.node_name: n.all_start_micros + max(n.all_end_rel_micros, 0)
             for n in dev.node_stats}
-    buffers = {}                                        # ptr -> [bytes, alloc time, free time]
+    # A buffer is an address from its allocation to its last reader. An output at an address
+    # still in use is the same buffer (an op that forwarded its input in place); one at an
+    # address whose buffer was already read for the last time is a new allocation that
+    # reuses the address.
+    outputs = []
     for n in dev.node_stats:
       end = ends[n.node_name]
       for out in n.output:
         alloc = out.tensor_description.allocation_description
         if alloc.allocated_bytes <= 0:
           continue
-        key = alloc.ptr or (n.node_name, out.slot)
         last = max([ends[c] for c in consumers.get((n.node_name, out.slot), ())
                     if c in ends] + [end])
-        entry = buffers.setdefault(key, [alloc.allocated_bytes, end, last])
-        entry[1], entry[2] = min(entry[1], end), max(entry[2], last)
-    events = sorted([(t0, b) for b, t0, _ in buffers.values()] +
-                    [(t1, -b) for b, _, t1 in buffers.values()],
+        outputs.append((end, last, alloc.ptr or (n.node_name, out.slot),
+                        alloc.allocated_bytes))
+    current, done = {}, []                             # ptr -> [bytes, alloc time, free time]
+    for end, last, key, size in sorted(outputs, key=lambda o: o[0]):
+      entry = current.get(key)
+      if entry is not None and end <= entry[2]:
+        entry[0], entry[2] = max(entry[0], size), max(entry[2], last)
+        continue
+      if entry is not None:
+        done.append(entry)
+      current[key] = [size, end, last]
+    buffers = done + list(current.values())
+    events = sorted([(t0, b) for b, t0, _ in buffers] +
+                    [(t1, -b) for b, _, t1 in buffers],
                     key=lambda e: (e[0], e[1] < 0))      # allocations first at equal times
     live = peak = 0
     for _, delta in events:

@@ -10,6 +10,7 @@ pass is one module plus one line here.
   bridge         connect each replica's split TaskGraphs to its copies (gather / scatter)
   micro_batch    clone each copy's forward + backward per micro-batch (pipeline.num_micro_batch)
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
+  recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
   offload        weights, slots and the update on the host CPU (offload.level v0)
@@ -21,8 +22,9 @@ from epl.passes.bridge import bridge
 from epl.passes.grad_sync import gradient_sync
 from epl.passes.micro_batch import micro_batch
 from epl.passes.offload import offload
+from epl.passes.recompute import recompute
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
 
-PASSES = (analyze, replicate, bridge, micro_batch, schedule, gradient_sync, offload,
-          apply_groups)
+PASSES = (analyze, replicate, bridge, micro_batch, schedule, recompute, gradient_sync,
+          offload, apply_groups)

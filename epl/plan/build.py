@@ -21,6 +21,21 @@ def communication(config):
                        c.clip_after_allreduce, c.collective_timeout)
 
 
+def _memory(graph, config):
+  gc = config.gradient_checkpoint
+  names = ()
+  if gc.type == "collection":
+    names = tuple(t.name for t in graph.get_collection("checkpoints")
+                  if isinstance(t, tf.Tensor))
+    if not names:
+      raise PlanError(
+          "gradient_checkpoint.type is 'collection' but the graph's \"checkpoints\" collection "
+          "holds no tensor; add the tensors to keep with tf.add_to_collection(\"checkpoints\", "
+          "tensor), or use gradient_checkpoint.type 'auto'")
+  return Memory(config.offload.level, config.optimizer.num_apply_group, gc.type,
+                gc.end_taskgraph, names)
+
+
 def build_plan(graph, recorder, config, cluster, upto_version=None):
   """Returns the ParallelPlan of ``graph``'s first ``upto_version`` ops (default: all).
 
@@ -33,7 +48,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                 pipeline_strategy=config.pipeline.strategy,
                 hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)),
                 communication=communication(config), has_gpu=cluster.has_gpu,
-                memory=Memory(config.offload.level, config.optimizer.num_apply_group))
+                memory=_memory(graph, config))
   if not recorder.specs:
     return ParallelPlan((), (), 1, schedule=(), **common)
   upto = graph.version if upto_version is None else upto_version

@@ -108,6 +108,9 @@ class Memory:
   """Where weights live and how the update runs (``offload.*``, ``optimizer.*`` keys)."""
   offload: str = ""             # "v0": weights, slots and their update on the host
   num_apply_group: int = 1      # the update in this many sequential groups
+  gradient_checkpoint: str = ""             # "", "collection", "auto"
+  checkpoint_end_taskgraph: int = -1        # last TaskGraph GC applies to (-1: all)
+  checkpoints: Tuple[str, ...] = ()         # the "checkpoints" collection, by tensor name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +203,9 @@ class ParallelPlan:
     raw["shared_variables"] = tuple(raw["shared_variables"])
     raw["communication"] = Communication(**raw["communication"])
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
-    raw["memory"] = Memory(**raw.get("memory", {}))
+    memory = dict(raw.get("memory", {}))
+    memory["checkpoints"] = tuple(memory.get("checkpoints", ()))
+    raw["memory"] = Memory(**memory)
     return cls(**raw)
 
   def __str__(self):
