@@ -6,14 +6,22 @@
   apply groups optimizer.num_apply_group 4 vs 1: the same MLP with a hand-written Adam (the
                update as plain ops, BERT-style) on 1 device: the step peak, the step time
 
+  checkpoint   gradient_checkpoint.type auto vs none, one device: a residual MLP stack
+               (12 blocks, width 1024, batch 512) and a 12-layer transformer stack: the
+               process's allocator peak (each run in a fresh process with TF's BFC CPU
+               allocator), the traced step peak, the step time, and the largest loss difference
+
 Memory is epl.memory.measure (variables = bytes the variables hold on the device; step peak =
-the traced peak of one step's allocations on it). Gradient checkpointing and ZeRO are not
-built yet (issue 12).
+the traced peak of one step's allocations on it) and, for checkpointing, the process peak.
+ZeRO is not built yet (issue 12).
 
 usage: python bench/memory.py [--width 1024] [--layers 4] [--batch 256] [--steps 10]
+                              [--only offload,groups,checkpoint]
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -86,15 +94,117 @@ def _devices(report):
   return [d for d in report.devices() if not d.endswith("CPU:0") and d.startswith("/")]
 
 
+# ---- gradient checkpointing: each run in its own process ----------------------------------
+def _gelu(x):
+  return 0.5 * x * (1.0 + tf.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+
+def _norm(x, name):
+  with tf.variable_scope(name):
+    mean, var = tf.nn.moments(x, [-1], keep_dims=True)
+    gamma = tf.get_variable("gamma", [x.shape[-1]], initializer=tf.ones_initializer())
+    return (x - mean) * tf.rsqrt(var + 1e-12) * gamma
+
+
+def residual_mlp(x, blocks=12, width=1024):
+  h = tf.layers.dense(x, width, name="embed")
+  for i in range(blocks):
+    with tf.variable_scope("block_%d" % i):
+      z = tf.layers.dense(_norm(h, "norm"), 4 * width, activation=_gelu, name="up")
+      h = h + tf.layers.dense(z, width, name="down")
+  return h
+
+
+def transformer(x, layers=12, length=128, model=256, heads=4):
+  size = model // heads
+  h = tf.reshape(tf.layers.dense(x, length * model, name="embed"), [-1, length, model])
+  for i in range(layers):
+    with tf.variable_scope("layer_%d" % i):
+      def split(t):
+        return tf.transpose(tf.reshape(t, [-1, length, heads, size]), [0, 2, 1, 3])
+      q, k, v = (split(tf.layers.dense(h, model, name=n)) for n in ("query", "key", "value"))
+      probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / size ** 0.5)
+      ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [-1, length, model])
+      h = _norm(h + tf.layers.dense(ctx, model, name="attention_output"), "attention_norm")
+      ffn = tf.layers.dense(tf.layers.dense(h, 4 * model, activation=_gelu, name="inter"),
+                            model, name="output")
+      h = _norm(h + ffn, "output_norm")
+  return tf.reduce_mean(h, axis=1)
+
+
+MODELS = {"residual MLP (12 x 1024, batch 512)": (residual_mlp, 512),
+          "transformer (12 layers, 128 x 256, batch 32)": (transformer, 32)}
+
+
+def checkpoint_child(model, kind, steps):
+  """One run in this process: prints {"peak", "traced", "step", "losses"} as JSON."""
+  body, batch = MODELS[model]
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.set_random_seed(0)
+    epl.init(epl.Config({"gradient_checkpoint.type": kind, "log.level": "warning",
+                         "log.progress_secs": 0}))
+    x = tf.placeholder(tf.float32, [None, 64])
+    y = tf.placeholder(tf.int64, [None])
+    with epl.replicate(1, name="model"):
+      logits = tf.layers.dense(body(x), 10, name="logits")
+      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    train = tf.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+    rng = np.random.RandomState(0)
+    feed = {x: rng.randn(batch, 64).astype(np.float32), y: rng.randint(0, 10, batch)}
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      losses = [float(sess.run([loss, train], feed)[0])]
+      tf.config.experimental.reset_memory_stats("CPU:0")
+      start = time.perf_counter()
+      for _ in range(steps):
+        losses.append(float(sess.run([loss, train], feed)[0]))
+      seconds = (time.perf_counter() - start) / steps
+      peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+      traced = max(epl.memory.measure(sess, train, feed).peaks.values())
+  print(json.dumps(dict(peak=peak, traced=traced, step=seconds, losses=losses)))
+
+
+def checkpointing(steps):
+  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_ENABLE_ONEDNN_OPTS="0",
+             TF_CPP_MIN_LOG_LEVEL="2")
+  print("\ngradient checkpointing (auto) vs none, 1 device, %d timed steps, each run in a fresh "
+        "process (BFC CPU allocator)" % steps)
+  for model in MODELS:
+    result = {}
+    for kind in ("", "auto"):
+      out = subprocess.run([sys.executable, __file__, "--checkpoint-child", model, kind,
+                            str(steps)], env=env, capture_output=True, text=True, check=True)
+      result[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    base, gc = result[""], result["auto"]
+    diff = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(gc["losses"], base["losses"]))
+    print("  %s" % model)
+    print("    none: process peak %7.1f MiB, traced step peak %7.1f MiB, %6.0f ms/step" % (
+        base["peak"] / MiB, base["traced"] / MiB, base["step"] * 1e3))
+    print("    auto: process peak %7.1f MiB, traced step peak %7.1f MiB, %6.0f ms/step" % (
+        gc["peak"] / MiB, gc["traced"] / MiB, gc["step"] * 1e3))
+    print("    auto / none: process peak %.2f, traced peak %.2f, step time %.2f; largest loss "
+          "difference %.1e" % (gc["peak"] / base["peak"], gc["traced"] / base["traced"],
+                               gc["step"] / base["step"], diff))
+
+
 def main():
+  if len(sys.argv) > 1 and sys.argv[1] == "--checkpoint-child":
+    return checkpoint_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--only", default="offload,groups,checkpoint")
   args = parser.parse_args()
-  print("MLP %d x %d, batch %d, %d timed steps" % (args.layers, args.width, args.batch,
-                                                   args.steps))
+  only = set(args.only.split(","))
+  if "checkpoint" in only:
+    checkpointing(3)
+  if not only & {"offload", "groups"}:
+    return
+  print("\nMLP %d x %d, batch %d, %d timed steps" % (args.layers, args.width, args.batch,
+                                                     args.steps))
 
   base_t, base = run(args, 2, {}, "adam")
   off_t, off = run(args, 2, {"offload.level": "v0"}, "adam")
@@ -115,7 +225,7 @@ def main():
   print("  4 groups: step peak %.1f MiB, %.1f ms/step" % (peak(four) / MiB, four_t * 1e3))
   print("  ratio 4 groups / 1: step peak %.2f, step time %.2f" % (peak(four) / peak(one),
                                                                    four_t / one_t))
-  print("\ngradient checkpointing, ZeRO: not built yet")
+  print("\nZeRO: not built yet")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Gradient checkpointing (gradient_checkpoint.type): the job trains the model it trains
 without it -- dropout included -- and holds fewer activation bytes at its peak."""
 import contextlib
+import sys
 
 import numpy as np
 import pytest
@@ -145,3 +146,75 @@ def test_recompute_lowers_the_step_peak():
 def test_an_empty_checkpoints_collection_is_a_clear_error():
   with pytest.raises(PlanError, match="checkpoints"):
     _train(residual_mlp(stages=_dp(1)), _config(1, **{"gradient_checkpoint.type": "collection"}))
+
+
+def test_check_gradients_passes_a_faithful_recompute_and_catches_a_wrong_one(monkeypatch):
+  build = residual_mlp(blocks=4, dropout=0.5, stages=_dp(1))
+  keys = {"gradient_checkpoint.type": "auto", "gradient_checkpoint.check_gradients": True}
+  plain = _train(build, _config(1))
+  checked = _train(build, _config(1, **keys), initial=plain.initial)
+  _assert_same(checked, plain)
+  assert checked.parallel.results["recompute"].check_op is not None
+  # a recompute that re-draws the dropout masks (as a naive recompute would) is caught in
+  # the first training step
+  module = sys.modules["epl.passes.recompute"]
+  monkeypatch.setattr(module, "RANDOM_OPS", frozenset())
+  monkeypatch.setattr(module, "mutates",
+                      lambda op, keep=module.mutates: op.type != "RandomUniform" and keep(op))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="check_gradients"):
+    _train(build, _config(1, **keys), initial=plain.initial)
+
+
+def transformer_stack(layers=4, length=16, model=32, heads=4, stages=None):
+  """Post-norm transformer encoder layers (BERT's layout: attention, add & norm, gelu FFN,
+  add & norm) under ``layer_<i>`` scopes, mean-pooled into a classifier."""
+  def build():
+    x = tf.placeholder(tf.float32, [None, sm.FEATURES], name="x")
+    y = tf.placeholder(tf.int64, [None], name="y")
+    stage = (stages or [contextlib.nullcontext])[0]
+    with stage():
+      h = tf.reshape(tf.layers.dense(x, length * model, name="embed"), [-1, length, model])
+      for i in range(layers):
+        h = _encoder_layer(h, i, length, model, heads)
+      logits = tf.layers.dense(tf.reduce_mean(h, axis=1), 10, name="logits")
+      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    train_op = tf.train.MomentumOptimizer(0.05, momentum=0.9).minimize(
+        loss, global_step=tf.train.get_or_create_global_step())
+    return dict(inputs=(x, y), loss=loss, train_op=train_op)
+  return build
+
+
+def _norm(x, name):
+  with tf.variable_scope(name):
+    mean, var = tf.nn.moments(x, [-1], keep_dims=True)
+    gamma = tf.get_variable("gamma", [x.shape[-1]], initializer=tf.ones_initializer())
+    return (x - mean) * tf.rsqrt(var + 1e-12) * gamma
+
+
+def _encoder_layer(h, i, length, model, heads):
+  size = model // heads
+  with tf.variable_scope("layer_%d" % i):
+    def split(t):
+      return tf.transpose(tf.reshape(t, [-1, length, heads, size]), [0, 2, 1, 3])
+    q, k, v = (split(tf.layers.dense(h, model, name=n)) for n in ("query", "key", "value"))
+    probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / float(size) ** 0.5)
+    context = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [-1, length, model])
+    h = _norm(h + tf.layers.dense(context, model, name="attention_output"), "attention_norm")
+    ffn = tf.layers.dense(tf.layers.dense(h, 4 * model, activation=gelu, name="intermediate"),
+                          model, name="output")
+    return _norm(h + ffn, "output_norm")
+
+
+def test_recompute_of_a_transformer_stack_trains_the_same_model_with_less_memory():
+  build = transformer_stack(layers=12, length=32, model=64, stages=_dp(1))
+  data = (np.random.RandomState(0).randn(64, sm.FEATURES).astype(np.float32),
+          np.random.RandomState(1).randint(0, 10, 64))
+  runs = {kind: sm.train(build, data, 2, 32, measure_memory=True,
+                         config=_config(1, **{"gradient_checkpoint.type": kind}))
+          for kind in ("", "auto")}
+  _assert_same(runs["auto"], runs[""])
+  checkpoints = runs["auto"].parallel.results["recompute"].checkpoints
+  assert [n.split("/")[0] for n in checkpoints] == ["layer_%d" % i for i in range(12)], \
+      checkpoints
+  peak = {k: max(r.memory.peak(d) for d in r.memory.devices()) for k, r in runs.items()}
+  assert peak["auto"] < 0.6 * peak[""], peak

@@ -45,6 +45,7 @@ class Recomputed:
   segments: int = 0                      # recomputed segments per copy
   recomputed_ops: int = 0                # ops cloned for recomputation, all copies
   rewired: int = 0                       # backward inputs now reading recomputed tensors
+  check_op: tf.Operation = None          # check_gradients: recomputed == forward, once
 
   def __str__(self):
     return "Recomputed(%d checkpoints, %d segments, %d ops cloned, %d inputs rewired)" % (
@@ -189,6 +190,7 @@ def recompute(ctx):
       checkpoints += choose_checkpoints([op for op in forward if ctx.owner[op] == tg])
   segments = _segments(forward, backward, checkpoints)
   cloned = rewired = 0
+  pairs = []                                      # (forward tensor, recomputed), copy 0
   for c in range(worker.num_copies):
     for m in range(plan.num_micro_batch):
       here = lambda op: clones.op(c, op, m) if (c, m) != (0, 0) else op   # noqa: E731
@@ -215,4 +217,25 @@ def recompute(ctx):
           if user.inputs[i].op is original:
             compat.update_input(user, i, new)
             rewired += 1
-  return Recomputed(tuple(t.name for t in checkpoints), len(segments), cloned, rewired)
+            if (c, m) == (0, 0) and new.dtype.is_floating:
+              pairs.append((original.outputs[t.value_index], new))
+  check = _check(graph, pairs) if memory.check_gradients and pairs else None
+  return Recomputed(tuple(t.name for t in checkpoints), len(segments), cloned, rewired, check)
+
+
+def _check(graph, pairs):
+  """One op that fails when a recomputed tensor differs from the one forward made (the
+  runtime runs it with the first training step only: it keeps the forward tensors alive)."""
+  seen, checks = set(), []
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.name_scope("epl_recompute/check"):
+    for forward, again in pairs:
+      if forward in seen:
+        continue
+      seen.add(forward)
+      with tf.device(again.device):
+        checks.append(tf.debugging.assert_near(
+            again, forward, rtol=1e-5, atol=1e-6, summarize=4,
+            message="gradient_checkpoint.check_gradients: the recomputed %s differs from the "
+                    "forward one" % forward.name))
+    return tf.group(*checks, name="all")

@@ -33,7 +33,7 @@ def _memory(graph, config):
           "holds no tensor; add the tensors to keep with tf.add_to_collection(\"checkpoints\", "
           "tensor), or use gradient_checkpoint.type 'auto'")
   return Memory(config.offload.level, config.optimizer.num_apply_group, gc.type,
-                gc.end_taskgraph, names)
+                gc.end_taskgraph, names, gc.check_gradients)
 
 
 def build_plan(graph, recorder, config, cluster, upto_version=None):

@@ -111,6 +111,7 @@ class Memory:
   gradient_checkpoint: str = ""             # "", "collection", "auto"
   checkpoint_end_taskgraph: int = -1        # last TaskGraph GC applies to (-1: all)
   checkpoints: Tuple[str, ...] = ()         # the "checkpoints" collection, by tensor name
+  check_gradients: bool = False             # verify the recomputed tensors once
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Dispatcher:
     self.retried_steps = 0
     self._plain = False
     self._progress = None         # Progress once rewritten (worker 0, log.progress_secs > 0)
+    self._check = None            # (check op, its step detector) until the first step ran
     self._peers = None            # faults.PeerWatch of a multi-worker job
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
@@ -115,6 +116,9 @@ class Dispatcher:
     every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
     if every and not pg.plan.is_local:
       self._progress = Progress(pg, every, clients=len(pg.plan.clients))
+    recomputed = pg.results.get("recompute")
+    if recomputed is not None and recomputed.check_op is not None:
+      self._check = (recomputed.check_op, Progress(pg, 0))
     return pg
 
   def session_args(self, graph, target, config):
@@ -128,6 +132,12 @@ class Dispatcher:
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
+    if self._check is not None and self._check[1].trains_fetches(session.graph, fetches):
+      check, self._check = self._check[0], None       # the first training step only
+      log.info("gradient_checkpoint.check_gradients: checking the recomputed tensors in this "
+               "step")
+      return self.run(session, original, (fetches, check), feed_dict, options,
+                      run_metadata)[0]
     progress = self._progress
     if progress is not None and progress.trains_fetches(session.graph, fetches):
       report = progress.due()

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, mutates
+from epl.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, VARIABLE_OPS, mutates
 
 log = logging.getLogger("epl")
 
@@ -74,7 +74,14 @@ class Progress:
     phases = parallel.plan.op_index
     get = parallel.graph.get_operation_by_name
     self._update = {get(n) for n, (_, p) in phases.items() if p == "apply"}
-    self._update = {op for op in self._update if mutates(op)}
+    initialisers = {v.initializer for key in (tf.GraphKeys.GLOBAL_VARIABLES,
+                                              tf.GraphKeys.LOCAL_VARIABLES)
+                    for v in parallel.graph.get_collection(key)}  # slots' (built in apply)
+    # the model is updated by ops that write a variable (not by initialisers, nor by other
+    # stateful ops such as an initialiser's random numbers)
+    self._update = {op for op in self._update if mutates(op) and op not in initialisers and
+                    op.type not in VARIABLE_OPS and
+                    any(t.op.type in VARIABLE_OPS for t in op.inputs)}
     if analysis is not None:
       self._update |= set(analysis.singletons)
 
