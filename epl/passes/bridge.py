@@ -17,7 +17,9 @@ Gradients crossing back are scaled so that the job trains the local model: with
 ``gradients_reduce_method: mean`` the copies' gradients are averaged, so a copy's share of a
 batch-major gradient is multiplied by k and a gradient gathered from the copies is divided by
 k; with ``sum`` the whole-value gradient each copy reads is divided by k. With one copy per
-replica nothing is inserted (TF's send/recv moves the tensors). Returns ``Bridges``.
+replica nothing is inserted (TF's send/recv moves the tensors). The gathers, sums and row
+cuts come from ``epl.collectives`` (``gather_rows``, ``reduce_to``, ``rows_of``). Returns
+``Bridges``.
 """
 import dataclasses
 from typing import List, Tuple
@@ -59,7 +61,7 @@ def _retarget(consumer, old, new):
 
 def bridge(ctx):
   """Runs the pass; see the module docstring."""
-  plan, worker, graph = ctx.plan, ctx.worker, ctx.graph
+  plan, worker, graph, coll = ctx.plan, ctx.worker, ctx.graph, ctx.collectives
   k = plan.shards
   if not plan.crossings or k == 1:
     return Bridges([])
@@ -93,11 +95,11 @@ def bridge(ctx):
           user = clones.op(lead, consumer)
           key = (x.tensor, lead, user.device, factor)
           if key not in cache:
+            if x.batch_major:
+              new = coll.gather_rows(values, user.device)
+            else:
+              new = coll.reduce_to(values, user.device) if x.backward else values[0]
             with tf.device(user.device):
-              if x.batch_major:
-                new = tf.concat(values, axis=0)
-              else:
-                new = tf.add_n(values) if x.backward else values[0]
               cache[key] = _scaled(new, factor)
             built.append(("gather", x.tensor, cache[key]))
           _retarget(user, {values[0]}, cache[key])
@@ -107,8 +109,8 @@ def bridge(ctx):
           user = clones.op(c, consumer)
           key = (x.tensor, c, factor)
           if key not in cache:
+            piece = coll.rows_of(source, rows[lead], j, k) if x.batch_major else source
             with tf.device(source.device):
-              piece = _rows_of(source, rows[lead], j, k) if x.batch_major else source
               cache[key] = _scaled(piece, factor)
             built.append(("scatter", x.tensor, cache[key]))
           _retarget(user, {tensor, source}, cache[key])
@@ -128,15 +130,3 @@ def _rows(clones, graph, crossings, lead, k):
     with tf.device(value.device):
       counts.append(tf.shape(value)[0])
   return counts
-
-
-def _rows_of(value, counts, j, k):
-  """Copy j's rows of a replica-wide batch-major ``value``."""
-  if counts is None:                   # no batch enters the split part: even rows
-    return tf.split(value, k, axis=0)[j]
-  start = tf.add_n(counts[:j]) if j else 0
-  begin = tf.concat([[start], tf.zeros([value.shape.rank - 1], tf.int32)], 0) \
-      if value.shape.rank > 1 else tf.reshape(start, [1])
-  size = tf.concat([[counts[j]], -tf.ones([value.shape.rank - 1], tf.int32)], 0) \
-      if value.shape.rank > 1 else tf.reshape(counts[j], [1])
-  return tf.slice(value, begin, size)
