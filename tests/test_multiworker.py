@@ -37,8 +37,14 @@ def launch(args, timeout=180, env=None):
   return Launched(proc.returncode, out, err, time.time() - start)
 
 
-@pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
-def test_multiworker_parity(tmp_path, workers, devices):
+MEMORY_PASSES = {"EPL_GRADIENT_CHECKPOINT_TYPE": "auto", "EPL_OFFLOAD_LEVEL": "v0",
+                 "EPL_OPTIMIZER_NUM_APPLY_GROUP": "2", "EPL_LOG_LEVEL": "debug"}
+
+
+@pytest.mark.parametrize("workers,devices,env", [
+    (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES)],
+    ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups"])
+def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   global_batch = workers * devices * batch
   rng = np.random.RandomState(1)
@@ -49,9 +55,14 @@ def test_multiworker_parity(tmp_path, workers, devices):
   np.savez(tmp_path / "initial.npz", **local.initial)
   out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
                 "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps),
-                str(batch)])
+                str(batch)], env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(workers)]
+  if env:                   # the passes ran on every worker
+    for w in range(workers):
+      log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
+      for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
+        assert result in log, log[-3000:]
   # each worker's fetched loss is the mean over its copies; their mean is the global loss
   losses = np.mean([r["__losses__"] for r in results], axis=0)
   tol = 1e-5 * np.maximum(1, np.abs(local.losses))

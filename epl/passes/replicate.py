@@ -32,6 +32,10 @@ class Replication:
   # weights when a fed batch does not split evenly (None without batch placeholders)
   row_weights: Optional[tf.Tensor] = None
 
+  def __str__(self):
+    return "Replication(%d copies, %d mirrored variables, sync %s)" % (
+        len(self.copies), len(self.mirrored), "built" if self.sync_op is not None else "none")
+
 
 def device_function(ctx, copy):
   """op -> the device of its clone in local copy ``copy`` (the user's own host placements
