@@ -83,7 +83,8 @@ class Collectives:
     return self._next_instance
 
   # ---- all-reduce ----------------------------------------------------------------------
-  def all_reduce(self, tensors, devices, method, group=None, clients=None):
+  def all_reduce(self, tensors, devices, method, group=None, clients=None, channel=0,
+                 fp16_scale=None):
     """Returns one reduced tensor per local input, each on its input's device.
 
     Args:
@@ -93,6 +94,11 @@ class Collectives:
       group: every participant's device, all workers included (default: ``devices``); other
         workers build their own part with the same ``group``.
       clients: the worker that builds each member of ``group`` (default: its device's).
+      channel: the collective channel across workers (``num_communicators``): each channel
+        is its own TF collective group (on GPUs its own NCCL communicator), so buckets on
+        different channels run independently.
+      fp16_scale: across workers, send float16 (the sum multiplied by this first and divided
+        back after): half the bytes on the wire. Sums inside a worker stay in the input dtype.
     """
     assert len(tensors) == len(devices) and method in ("mean", "sum")
     group = tuple(group or devices)
@@ -109,8 +115,8 @@ class Collectives:
         parts, part_devices = self._chunk_sums(tensors, devices, sizes), list(devices)
         cross_groups = [tuple(ds[j] for _, ds in workers) for j in range(len(devices))]
       if len(workers) > 1:
-        parts = [self._collective_sum(p, d, g) for p, d, g in zip(parts, part_devices,
-                                                                  cross_groups)]
+        parts = [self._collective_sum(p, d, g, channel, fp16_scale)
+                 for p, d, g in zip(parts, part_devices, cross_groups)]
       if method == "mean":
         parts = [self._scaled(p, d, 1.0 / len(group)) for p, d in zip(parts, part_devices)]
       out = []
@@ -149,12 +155,19 @@ class Collectives:
     with tf.device(device):
       return t * tf.cast(factor, t.dtype)
 
-  def _collective_sum(self, tensor, device, group):
-    key, instance = self.group_key(group), self._instance()
+  def _collective_sum(self, tensor, device, group, channel=0, fp16_scale=None):
+    key = self.group_key(group + (("channel", channel),) if channel else group)
+    instance = self._instance()
     with tf.device(device):
-      return collective_ops.all_reduce_v2(
-          tensor, group_size=len(group), group_key=key, instance_key=instance,
+      wire = tensor
+      if fp16_scale is not None:
+        wire = tf.cast(tensor * tf.cast(fp16_scale, tensor.dtype), tf.float16)
+      summed = collective_ops.all_reduce_v2(
+          wire, group_size=len(group), group_key=key, instance_key=instance,
           merge_op="Add", final_op="Id", communication_hint=self.hint)
+      if fp16_scale is not None:
+        summed = tf.cast(summed, tensor.dtype) / tf.cast(fp16_scale, tensor.dtype)
+      return summed
 
   # ---- all-gather ----------------------------------------------------------------------
   def all_gather(self, tensors, devices, group=None, clients=None):

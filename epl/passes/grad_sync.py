@@ -199,8 +199,8 @@ def _reduce(ctx, items, report):
   for (tg, part, _), group in sorted(dense.items()):
     if len(plan.group_of(tg, part)) == 1:
       continue                         # one replica of a split TaskGraph: nothing to reduce
-    for bucket in _buckets(group, plan.communication.max_splits):
-      _reduce_bucket(ctx, tg, part, bucket, report)
+    for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
+      _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators)
 
 
 def _buckets(items, max_splits):
@@ -219,7 +219,7 @@ def _buckets(items, max_splits):
   return out
 
 
-def _reduce_bucket(ctx, tg, part, bucket, report):
+def _reduce_bucket(ctx, tg, part, bucket, report, channel):
   worker, plan = ctx.worker, ctx.plan
   copies = bucket[0].copies
   devices = [worker.device_of(c, tg, part) for c in copies]
@@ -230,9 +230,12 @@ def _reduce_bucket(ctx, tg, part, bucket, report):
       dense.append(grads)
       flats.append(tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
                    if len(grads) > 1 else tf.reshape(grads[0], [-1]))
-  reduced = ctx.collectives.all_reduce(flats, devices, plan.communication.reduce_method,
+  comm = plan.communication
+  compress = comm.fp16_scale if comm.fp16 and flats[0].dtype == tf.float32 else None
+  reduced = ctx.collectives.all_reduce(flats, devices, comm.reduce_method,
                                        group=plan.group_of(tg, part),
-                                       clients=plan.clients_of(tg, part))
+                                       clients=plan.clients_of(tg, part), channel=channel,
+                                       fp16_scale=compress)
   report.collective_ops.extend(r.op for r in reduced)
   news = []
   for c, device in enumerate(devices):

@@ -18,7 +18,8 @@ from epl.plan.schedule import make_schedule
 def communication(config):
   c = config.communication
   return Communication(c.gradients_reduce_method, c.max_splits, c.sparse_as_dense,
-                       c.clip_after_allreduce, c.collective_timeout)
+                       c.clip_after_allreduce, c.collective_timeout, c.num_communicators,
+                       c.fp16, c.fp16_scale)
 
 
 def _memory(graph, config):

@@ -101,6 +101,9 @@ class Communication:
   sparse_as_dense: bool = False
   clip_after_allreduce: bool = True
   timeout: int = 300            # seconds a step with collectives may run
+  num_communicators: int = 2    # channels the gradient buckets are spread over
+  fp16: bool = False            # float32 buckets cross workers as float16 ...
+  fp16_scale: int = 128         # ... multiplied by this first
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,13 @@ def main():
                cluster.gpu_num_per_worker, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config,
                   strategies=[lambda: epl.replicate(1)], initial=initial)
+  reduces = [op for op in res.graph.get_operations() if op.type == "CollectiveReduceV2"]
   np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
-           __losses__=np.array(res.losses), **res.variables)
+           __losses__=np.array(res.losses),
+           __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
+           __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
+                                       for op in reduces]),
+           **res.variables)
   print("worker %d done: losses %s" % (cluster.worker_index, res.losses))
 
 
