@@ -29,7 +29,7 @@ _EXPORTS = {
     "Config": "epl.config", "Env": "epl.env", "EplError": "epl.errors",
     "GraphKeys": "epl.collections_api",
 }
-_SUBMODULES = ("timeline", "testing", "errors", "cluster", "config", "memory")
+_SUBMODULES = ("timeline", "testing", "errors", "cluster", "config", "memory", "profiler")
 
 __all__ = ["init", "Config", "replicate", "split", "set_default_strategy", "Env",
            "add_to_collection", "get_collection", "GraphKeys", "Graph", "EplError"]

@@ -195,6 +195,14 @@ class Recorder:
     self._default = spec.index
     self._segment(spec.index)
 
+  def auto_stages(self, starts, location):
+    """``auto.auto_parallel``: TaskGraphs ``stage_0..stage_k-1`` of replicate(1), stage i
+    holding the ops of rank > ``starts[i]`` (``starts[0]`` is 0) up to the next start."""
+    assert not self.specs and starts and starts[0] == 0
+    for i in range(len(starts)):
+      self.specs.append(TaskGraphSpec(i, REPLICATE, 1, "stage_%d" % i, location))
+    self._starts, self._owners = list(starts), list(range(len(starts)))
+
   def add_shard_interval(self, first, last, shard):
     if last >= first:
       self.shard_intervals.append((first, last, shard))

@@ -40,7 +40,7 @@ def _k(*args, **kwargs):
 KEYS = {k.name: k for k in [
     _k("pipeline.num_micro_batch", "int", 1, minimum=1,
        help="micro-batches per step (pipeline / gradient accumulation)"),
-    _k("pipeline.num_stages", "int", -1, built=False, help="stages for auto.auto_parallel"),
+    _k("pipeline.num_stages", "int", -1, help="stages for auto.auto_parallel"),
     _k("pipeline.strategy", "str", "PreferBackward", ("PreferBackward", "PreferForward"),
        help="pipeline schedule"),
     _k("gradient_checkpoint.type", "str", "", ("", "collection", "auto"),
@@ -80,7 +80,8 @@ KEYS = {k.name: k for k in [
     _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
     _k("io.unbalanced_io_slicing", "bool", False),
     _k("io.drop_last_files", "bool", False),
-    _k("auto.auto_parallel", "bool", False, built=False),
+    _k("auto.auto_parallel", "bool", False,
+       help="cut an un-annotated model into pipeline.num_stages stages by profiled cost"),
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
     _k("launch.parent_pid", "int", 0,
        help="set by epl-launch: the worker stops when this process (the launcher) is gone"),

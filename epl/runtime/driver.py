@@ -13,6 +13,7 @@ from epl import _tf_compat as compat
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
 from epl.runtime import serve
+from epl.runtime.auto_stages import annotate_stages
 from epl.runtime.feeds import FeedSplitter
 from epl.runtime.fetch import FetchMapper
 from epl.runtime.parallel_graph import ParallelGraph
@@ -24,6 +25,7 @@ def parallel_graph(state):
   """The ParallelGraph of ``state``: the rewritten one, or a plan-only preview."""
   if state.parallel is not None:
     return state.parallel
+  annotate_stages(state)
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   return ParallelGraph(plan, state.graph, plan.for_worker(state.cluster.worker_index))
 
@@ -33,6 +35,7 @@ def rewrite(state):
   if state.parallel is not None:
     return state.parallel
   start = time.time()
+  annotate_stages(state)
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel

@@ -20,8 +20,8 @@ API for the rest of epl::
 
   balance_stages(layer_costs, num_stages) -> ((first, last), ...)
       contiguous split of per-layer costs into k stages minimising the largest (exact); the
-      split for ``auto.auto_parallel`` with ``pipeline.num_stages`` (wired in
-      ``epl/plan/build.py``), given profiled per-layer costs.
+      split for ``auto.auto_parallel`` with ``pipeline.num_stages`` (used by
+      ``epl/runtime/auto_stages.py``), given profiled per-layer costs.
 
   Profile.parse(text) / Profile.load(path) / profile.dump()     the profile format
   build_states(profile) -> States                               PipeDream's cuts

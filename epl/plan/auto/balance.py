@@ -1,6 +1,6 @@
 """``balance_stages``: split a list of per-layer costs into k contiguous stages, minimising the
 most expensive stage -- the split for ``auto.auto_parallel`` with ``pipeline.num_stages``
-(wired in ``epl/plan/build.py``), given each layer's profiled cost.
+(``epl/runtime/auto_stages.py``), given each layer's profiled cost.
 
 Exact dynamic program over prefix sums, vectorised per stage count: ``O(k n^2)`` array cells,
 milliseconds for a few thousand layers. Among optimal splits it returns the one whose stages

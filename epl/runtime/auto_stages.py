@@ -1,0 +1,88 @@
+"""``auto.auto_parallel`` with ``pipeline.num_stages: k``: cut an un-annotated model into k
+pipeline stages balanced by profiled cost.
+
+Before the plan is built, the graph is copied into a scratch session (the user's session,
+variables and input pipeline are not touched), its forward and backward ops are run a few
+times under TF's trace with zero-filled feeds, and ``epl.profiler`` groups them into layers
+(top-level name scopes). ``epl.plan.auto.balance_stages`` splits the layers' forward +
+backward times into k contiguous stages with the smallest maximum; each stage becomes a
+``replicate(device_count=1)`` TaskGraph named ``stage_<i>``, exactly as if the user had
+written the scopes, and the normal rewrite follows (micro-batches from
+``pipeline.num_micro_batch``, data parallelism over the rest of the devices).
+"""
+import logging
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl import profiler
+from epl.errors import PlanError
+from epl.plan.auto.balance import balance_stages
+from epl.plan.split import op_ranks
+
+log = logging.getLogger("epl")
+
+PROFILE_STEPS = 2
+UNKNOWN_DIM = 32         # rows fed for a placeholder's unknown batch dimension
+
+
+def annotate_stages(state):
+  """Records the stages in ``state.recorder`` (once; nothing without auto.auto_parallel)."""
+  config, recorder, graph = state.config, state.recorder, state.graph
+  if not config.auto.auto_parallel or recorder.specs:
+    return
+  k = config.pipeline.num_stages
+  if k < 1:
+    raise PlanError("auto.auto_parallel needs pipeline.num_stages >= 1 (the number of pipeline "
+                    "stages to cut the model into); set it with epl.Config")
+  profile = _profile(graph, recorder)
+  if len(profile.nodes) < k:
+    raise PlanError(
+        "auto.auto_parallel: the model has %d layer(s) (top-level name scopes: %s) but "
+        "pipeline.num_stages is %d; build the model under name scopes (one per block) or lower "
+        "num_stages" % (len(profile.nodes), ", ".join(n.name for n in profile.nodes) or "none",
+                        k))
+  stages = balance_stages([n.compute_ms for n in profile.nodes], k)
+  _, rank = op_ranks(graph, graph.version)
+  first = {}
+  for op in graph.get_operations():
+    layer, backward = profiler.layer_of(op.name)
+    if layer is not None and not backward:
+      first[layer] = min(first.get(layer, rank[op]), rank[op])
+  starts = [0] + [first[profile.nodes[a].name] - 1 for a, _ in stages[1:]]
+  recorder.auto_stages(starts, "auto.auto_parallel")
+  log.info("auto.auto_parallel: %d stage(s): %s", k, "; ".join(
+      "%s (%.2f ms)" % (",".join(n.name for n in profile.nodes[a:b + 1]),
+                        sum(n.compute_ms for n in profile.nodes[a:b + 1]))
+      for a, b in stages))
+
+
+def _profile(graph, recorder):
+  """The per-layer profile of ``graph``'s forward + backward, run in a scratch copy."""
+  gradients = set()
+  for g, _ in recorder.gradients:
+    gradients |= {g.values.name, g.indices.name} if isinstance(g, tf.IndexedSlices) else {g.name}
+  gradients = sorted(gradients)
+  if not gradients:
+    raise PlanError("auto.auto_parallel found no gradients: build the training step "
+                    "(optimizer.minimize or tf.gradients) before the session starts")
+  trainable = [v.op.name for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)]
+  inits = [v.initializer.name for key in (tf.GraphKeys.GLOBAL_VARIABLES,
+                                          tf.GraphKeys.LOCAL_VARIABLES)
+           for v in graph.get_collection(key)]
+  tables = [op.name for op in graph.get_collection(tf.GraphKeys.TABLE_INITIALIZERS)]
+  copy = tf.Graph()
+  with copy.as_default():
+    tf.import_graph_def(graph.as_graph_def(), name="")
+    feed = {}
+    for op in copy.get_operations():
+      if op.type == "Placeholder" and op.outputs[0].consumers():
+        shape = [d if d is not None else UNKNOWN_DIM
+                 for d in (op.outputs[0].shape.as_list() if op.outputs[0].shape.rank
+                           is not None else [])]
+        feed[op.outputs[0]] = np.zeros(shape, op.outputs[0].dtype.as_numpy_dtype)
+    fetches = [copy.get_tensor_by_name(n) for n in gradients]
+    with tf.Session(graph=copy) as sess:
+      sess.run([copy.get_operation_by_name(n) for n in inits + tables])
+      return profiler.profile(sess, fetches, feed, steps=PROFILE_STEPS, graph=copy,
+                              trainable=[copy.get_operation_by_name(n) for n in trainable])

@@ -1,0 +1,113 @@
+"""epl.profiler: a TF model profiled per layer, in the format epl-plan reads."""
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from epl.plan.auto.profile import Profile
+
+BATCH, WIDTH, FEATURES = 64, 128, 32
+
+
+def _model():
+  x = tf.placeholder(tf.float32, [BATCH, FEATURES], name="x")
+  y = tf.placeholder(tf.int64, [BATCH], name="y")
+  with tf.variable_scope("embed"):
+    h = tf.layers.dense(x, WIDTH, activation=tf.nn.relu)
+  for i in range(3):
+    with tf.variable_scope("layer_%d" % i):
+      h = h + tf.layers.dense(tf.layers.dense(h, 4 * WIDTH, activation=tf.nn.relu), WIDTH)
+  with tf.variable_scope("head"):
+    loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10))
+  train = tf.train.MomentumOptimizer(0.01, 0.9).minimize(
+      loss, global_step=tf.train.get_or_create_global_step())
+  rng = np.random.RandomState(0)
+  return train, {x: rng.randn(BATCH, FEATURES).astype(np.float32),
+                 y: rng.randint(0, 10, BATCH)}
+
+
+@pytest.mark.parametrize("resource", [False, True], ids=["ref variables", "resource variables"])
+def test_profile_of_a_small_model(resource):
+  with tf.Graph().as_default(), tf.Session() as sess:
+    with tf.variable_scope(tf.get_variable_scope(), use_resource=resource):
+      train, feed = _model()
+    sess.run(tf.global_variables_initializer())
+    profile = epl.profiler.profile(sess, train, feed, steps=2)
+  assert [n.name for n in profile.nodes] == ["embed", "layer_0", "layer_1", "layer_2", "head"]
+  assert Profile.parse(profile.dump()) == profile            # the planner reads it back
+  params = {n.name: n.parameter_bytes for n in profile.nodes}
+  block = 4 * (WIDTH * 4 * WIDTH + 4 * WIDTH + 4 * WIDTH * WIDTH + WIDTH)
+  assert params == {"embed": 4 * (FEATURES * WIDTH + WIDTH), "layer_0": block,
+                    "layer_1": block, "layer_2": block, "head": 4 * (WIDTH * 10 + 10)}
+  for node in profile.nodes:
+    assert 0 < node.forward_ms < 1000 and 0 < node.backward_ms < 1000, str(node)
+  # a block hands the next one its [batch, width] output (read by its dense and its residual)
+  for node in profile.nodes[:4]:
+    assert node.activation_bytes == BATCH * WIDTH * 4, str(node)
+  # backward of a block costs more than its forward (two matmuls per forward matmul)
+  assert sum(n.backward_ms for n in profile.nodes[1:4]) > sum(
+      n.forward_ms for n in profile.nodes[1:4])
+  assert set(profile.edges) == {("node1", "node2"), ("node2", "node3"), ("node3", "node4"),
+                                ("node4", "node5")}
+
+
+def _blocks(stages_log=None):
+  """An un-annotated 4-block model (tf.layers, scopes per block), Momentum and clipping."""
+  def build():
+    x = tf.placeholder(tf.float32, [None, 12], name="x")
+    y = tf.placeholder(tf.int64, [None], name="y")
+    with tf.variable_scope("embed"):
+      h = tf.layers.dense(x, 32, activation=tf.nn.relu,
+                          kernel_initializer=tf.glorot_uniform_initializer(seed=1))
+    for i in range(4):
+      with tf.variable_scope("block_%d" % i):
+        width = 1024 if i == 0 else 32         # block 0 costs more than the other three
+        z = tf.layers.dense(h, width, activation=tf.nn.relu,
+                            kernel_initializer=tf.glorot_uniform_initializer(seed=10 + i))
+        h = h + tf.layers.dense(z, 32, kernel_initializer=tf.glorot_uniform_initializer(
+            seed=20 + i))
+    with tf.variable_scope("head"):
+      logits = tf.layers.dense(h, 10, kernel_initializer=tf.glorot_uniform_initializer(seed=3))
+      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    opt = tf.train.MomentumOptimizer(0.05, momentum=0.9)
+    grads, variables = zip(*opt.compute_gradients(loss))
+    grads, _ = tf.clip_by_global_norm(grads, 1.0)
+    train_op = opt.apply_gradients(zip(grads, variables),
+                                   global_step=tf.train.get_or_create_global_step())
+    return dict(inputs=(x, y), loss=loss, train_op=train_op)
+  return build
+
+
+def test_auto_parallel_cuts_an_unannotated_model_into_stages_and_trains_it():
+  from tests import split_models as sm
+  data = sm.classification_data(5 * 16, 10)
+  local = sm.train(_blocks(), data, 5, 16)
+  config = epl.Config({"auto.auto_parallel": True, "pipeline.num_stages": 2,
+                       "pipeline.num_micro_batch": 2, "cluster.devices_per_worker": 2,
+                       "log.level": "warning"})
+  auto = sm.train(_blocks(), data, 5, 16, config=config, initial=local.initial)
+  np.testing.assert_allclose([f["loss"] for f in auto.fetched],
+                             [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(auto.variables[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  plan = auto.parallel.plan
+  assert [t.name for t in plan.taskgraphs] == ["stage_0", "stage_1"]
+  assert plan.num_micro_batch == 2
+  stage_of = {name: tg for name, (tg, phase) in plan.op_index.items() if phase == "forward"}
+  # balanced by profiled cost, not by op count (which would cut after block_1): the wide
+  # block 0 is a stage of its own with the embedding
+  assert [stage_of["%s/dense/MatMul" % s] for s in (
+      "embed", "block_0", "block_1", "block_2", "block_3", "head")] == [0, 0, 1, 1, 1, 1]
+
+
+def test_auto_parallel_mistakes_are_clear_errors():
+  from tests import split_models as sm
+  from epl.errors import PlanError
+  data = sm.classification_data(16, 10)
+  for keys, match in (({"pipeline.num_stages": 9}, "has 6 layer"),
+                      ({}, "pipeline.num_stages >= 1")):
+    config = epl.Config(dict({"auto.auto_parallel": True, "cluster.devices_per_worker": 2,
+                              "log.level": "warning"}, **keys))
+    with pytest.raises(PlanError, match=match):
+      sm.train(_blocks(), data, 1, 16, config=config)
