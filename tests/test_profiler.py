@@ -106,8 +106,27 @@ def test_auto_parallel_mistakes_are_clear_errors():
   from epl.errors import PlanError
   data = sm.classification_data(16, 10)
   for keys, match in (({"pipeline.num_stages": 9}, "has 6 layer"),
-                      ({}, "pipeline.num_stages >= 1")):
+                      ({"pipeline.num_stages": 0}, "pipeline.num_stages is 0")):
     config = epl.Config(dict({"auto.auto_parallel": True, "cluster.devices_per_worker": 2,
                               "log.level": "warning"}, **keys))
     with pytest.raises(PlanError, match=match):
       sm.train(_blocks(), data, 1, 16, config=config)
+
+
+def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
+  from tests import split_models as sm
+  data = sm.classification_data(3 * 16, 10)
+  local = sm.train(_blocks(), data, 3, 16)
+  config = epl.Config({"auto.auto_parallel": True, "pipeline.num_micro_batch": 2,
+                       "cluster.devices_per_worker": 2, "log.level": "info"})
+  with caplog.at_level("INFO", logger="epl"):
+    auto = sm.train(_blocks(), data, 3, 16, config=config, initial=local.initial)
+  chose = [r.getMessage() for r in caplog.records if "the planner chose" in r.getMessage()]
+  assert chose, [r.getMessage() for r in caplog.records]
+  k = int(chose[0].split("the planner chose ")[1].split(" ")[0])
+  assert [t.name for t in auto.parallel.plan.taskgraphs] == ["stage_%d" % i for i in range(k)]
+  np.testing.assert_allclose([f["loss"] for f in auto.fetched],
+                             [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(auto.variables[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)

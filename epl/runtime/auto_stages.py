@@ -9,6 +9,11 @@ backward times into k contiguous stages with the smallest maximum; each stage be
 ``replicate(device_count=1)`` TaskGraph named ``stage_<i>``, exactly as if the user had
 written the scopes, and the normal rewrite follows (micro-batches from
 ``pipeline.num_micro_batch``, data parallelism over the rest of the devices).
+
+Without ``pipeline.num_stages`` (-1), the planner (``epl.plan.auto.plan_pipeline``, simulate
+cost model) chooses the number of stages for the job's devices from the same profile; one
+stage is plain data parallelism. The micro-batch count stays the configured one: it decides
+how many batches a step reads, i.e. which model is trained.
 """
 import logging
 
@@ -32,10 +37,12 @@ def annotate_stages(state):
   if not config.auto.auto_parallel or recorder.specs:
     return
   k = config.pipeline.num_stages
-  if k < 1:
-    raise PlanError("auto.auto_parallel needs pipeline.num_stages >= 1 (the number of pipeline "
-                    "stages to cut the model into); set it with epl.Config")
+  if k == 0 or k < -1:
+    raise PlanError("pipeline.num_stages is %d: give the number of pipeline stages (>= 1) for "
+                    "auto.auto_parallel, or leave it unset (-1) to let the planner choose" % k)
   profile = _profile(graph, recorder)
+  if k == -1:
+    k = _planner_stages(profile, state)
   if len(profile.nodes) < k:
     raise PlanError(
         "auto.auto_parallel: the model has %d layer(s) (top-level name scopes: %s) but "
@@ -55,6 +62,31 @@ def annotate_stages(state):
       "%s (%.2f ms)" % (",".join(n.name for n in profile.nodes[a:b + 1]),
                         sum(n.compute_ms for n in profile.nodes[a:b + 1]))
       for a, b in stages))
+
+
+def _planner_stages(profile, state):
+  """The stage count ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
+  ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches).
+
+  epl runs every stage on the same number of devices, so a plan whose stages have different
+  replica counts (DAPPLE's 15:1) is run with its stage count, balanced by cost; the log says so.
+  """
+  from epl.plan.auto import DeviceSpec, plan_pipeline
+  cluster, config = state.cluster, state.config
+  per_worker, workers = cluster.gpu_num_per_worker, cluster.worker_num
+  devices = DeviceSpec.parse(",".join(str(per_worker * (w + 1)) for w in range(workers)))
+  micro = config.pipeline.num_micro_batch
+  replicas = per_worker * workers
+  plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
+                       cost_model="simulate")
+  k = len(plan.stages)
+  counts = {len(s.devices) for s in plan.stages}
+  log.info("auto.auto_parallel: the planner chose %d stage(s) (%s; predicted speedup %.2f, "
+           "pure data parallelism %.2f)%s", k, ", ".join(str(s) for s in plan.stages),
+           plan.speedup, plan.data_parallel_speedup,
+           "" if len(counts) == 1 else "; epl runs every stage on as many devices, so the "
+           "layers are rebalanced by cost over %d equal stages" % k)
+  return k
 
 
 def _profile(graph, recorder):
