@@ -90,6 +90,21 @@ def add_control_inputs(op, control_ops):
     op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
 
 
+def replace_control_inputs(op, replacements):
+  """Makes ``op`` wait for ``replacements[x]`` instead of each control input ``x`` it names
+  (``None``: no longer wait for ``x``)."""
+  old = list(op.control_inputs)
+  if not any(x in replacements for x in old):
+    return
+  new = []
+  for x in old:
+    y = replacements.get(x, x)
+    if y is not None and y not in new:
+      new.append(y)
+  op._remove_all_control_inputs()  # pylint: disable=protected-access
+  op._add_control_inputs(new)  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
 def unfinalized(graph):
   """Lets epl add its own ops to a finalized graph, then finalizes it again."""

@@ -93,12 +93,13 @@ def step_peaks(run_metadata):
   return peaks
 
 
-def variable_bytes(graph):
+def variable_bytes(graph, only=None):
   """{device: bytes of the variables placed there} (as placed in the graph: after epl's
-  rewrite, every copy's variables, optimizer slots included)."""
+  rewrite, every copy's variables, optimizer slots included). ``only``: count just these
+  variable ops (e.g. the initialised ones)."""
   out = collections.Counter()
   for op in graph.get_operations():
-    if op.type not in VARIABLE_OPS:
+    if op.type not in VARIABLE_OPS or (only is not None and op not in only):
       continue
     dtype = tf.as_dtype(op.get_attr("dtype")) if op.type == "VarHandleOp" else \
         op.outputs[0].dtype.base_dtype
@@ -143,4 +144,24 @@ def measure(sess, fetches, feed_dict=None):
   options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE, output_partition_graphs=True)
   metadata = tf.RunMetadata()
   sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
-  return MemoryReport(variable_bytes(sess.graph), step_peaks(metadata))
+  return MemoryReport(variable_bytes(sess.graph, _initialised(sess)), step_peaks(metadata))
+
+
+def _initialised(sess):
+  """The variable ops that hold memory (are initialised), or None when the graph is
+  finalized (then every variable counts). A variable never initialised never allocated: an
+  unused copy of an optimizer slot under ZeRO, for one."""
+  graph = sess.graph
+  if graph.finalized:
+    return None
+  ops = [op for op in graph.get_operations() if op.type in VARIABLE_OPS]
+  with graph.as_default(), tf.name_scope("epl_memory"):
+    checks = []
+    for op in ops:
+      with tf.device(op.device):
+        if op.type == "VarHandleOp":
+          checks.append(tf.raw_ops.VarIsInitializedOp(resource=op.outputs[0]))
+        else:
+          checks.append(tf.raw_ops.IsVariableInitialized(ref=op.outputs[0]))
+  flags = sess.run(checks)
+  return {op for op, ok in zip(ops, flags) if ok}

@@ -154,3 +154,47 @@ def test_grouped_apply_lowers_the_peak_of_the_update():
                 measure_memory=True)
     peaks[g] = max(run.memory.peak(d) for d in run.memory.devices())
   assert peaks[4] < 0.8 * peaks[1], peaks
+
+
+# ---- ZeRO v0 -----------------------------------------------------------------------------
+@pytest.mark.parametrize("devices,optimizer", [(2, "adam"), (4, "adam"), (2, "hand")])
+def test_zero_v0_trains_the_local_model_with_a_share_of_the_slots_per_device(devices,
+                                                                            optimizer):
+  widths = (32,) * 6
+  local = train(mlp(optimizer, widths=widths))
+  run = train(mlp(optimizer, widths=widths), config(devices, **{"zero.level": "v0"}),
+              initial=local.initial, measure_memory=True)
+  assert_same(run, local)
+  done = run.parallel.results["zero"]
+  assert sorted(set(done.owners.values())) == list(range(devices))     # every copy owns some
+  # every device holds the weights, and its share of the slots (balanced by size)
+  weights = sum(v.nbytes for k, v in local.variables.items()
+                if re.match(r"(dense_\d|logits)/(kernel|bias)$", k))
+  slots = sum(v.nbytes for k, v in local.variables.items() if k in done.slots)
+  assert slots >= 2 * weights
+  held = [run.memory.held(d) for d in run.memory.devices() if re.search(r"CPU:[1-9]", d)]
+  assert len(held) == devices
+  unit = max(sum(v.nbytes for k, v in local.variables.items() if k in done.slots and
+                  k.startswith(var + "/")) for var in done.owners)
+  for h in held:            # a share: 1/N of the slots, give or take one variable's
+    assert weights <= h <= weights + slots / devices + unit, (h, weights, slots, unit)
+  assert sum(held) <= devices * weights + slots + devices * 64     # each slot once
+
+
+def test_zero_v0_checkpoint_restores_into_the_local_model(tmp_path):
+  """The slots live once, in the user's slot variables: a checkpoint is the local one."""
+  run_dir = str(tmp_path / "ckpt")
+  run = train(mlp("adam"), config(2, **{"zero.level": "v0"}))
+  g = run.graph
+  with g.as_default():
+    saver = tf.train.Saver()
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sm.load_whole(sess, g.get_collection(tf.GraphKeys.GLOBAL_VARIABLES), run.variables)
+      saver.save(sess, run_dir)
+  with tf.Graph().as_default():
+    mlp("adam")(False)()
+    with tf.Session() as sess:
+      tf.train.Saver().restore(sess, run_dir)
+      for v in tf.global_variables():
+        np.testing.assert_allclose(sess.run(v), run.variables[v.op.name], err_msg=v.op.name)

@@ -13,6 +13,7 @@ pass is one module plus one line here.
   recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
+  zero           each copy keeps and updates the optimizer state of its share (zero.level v0)
   offload        weights, slots and the update on the host CPU (offload.level v0)
   apply_groups   the update in sequential groups balanced by size (optimizer.num_apply_group)
 """
@@ -25,6 +26,7 @@ from epl.passes.offload import offload
 from epl.passes.recompute import recompute
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
+from epl.passes.zero import zero
 
-PASSES = (analyze, replicate, bridge, micro_batch, schedule, recompute, gradient_sync,
+PASSES = (analyze, replicate, bridge, micro_batch, schedule, recompute, gradient_sync, zero,
           offload, apply_groups)

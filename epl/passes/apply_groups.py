@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.op_tables import VARIABLE_OPS, mutates
+from epl.passes.slots import owner_of, written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +30,6 @@ class ApplyGroups:
   def __str__(self):
     return "ApplyGroups(%s)" % "; ".join(
         " | ".join(",".join(g) for g in groups) for groups in self.groups)
-
-
-def _written(op):
-  """The variable op an apply-phase op writes, or None."""
-  if not mutates(op):
-    return None
-  for t in op.inputs:
-    if t.op.type in VARIABLE_OPS:
-      return t.op
-  return None
 
 
 def _size(var_op):
@@ -56,16 +46,6 @@ def _balance(sizes, g):
     groups[i].append(name)
     loads[i] += sizes[name]
   return [sorted(grp) for grp in groups if grp]
-
-
-def _owner_of(written, trained):
-  """The trained variable a written variable belongs to (itself or a slot of it)."""
-  best = None
-  for name in trained:
-    if written == name or written.startswith(name + "/"):
-      if best is None or len(name) > len(best):
-        best = name
-  return best
 
 
 def _ancestors(ops, members):
@@ -99,8 +79,8 @@ def apply_groups(ctx):
     members = {op for op in applied if ctx.owner.get(op) == tg}
     writes = {}                                   # trained variable -> its unit's writes
     for op in members:
-      var = _written(op)
-      owner = _owner_of(var.name, trained) if var is not None else None
+      var = written(op)
+      owner = owner_of(var.name, trained) if var is not None else None
       if owner is not None and ctx.owner.get(get(owner)) == tg:
         writes.setdefault(owner, []).append(op)
     groups = _balance({v: _size(get(v)) for v in writes}, g)

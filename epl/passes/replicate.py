@@ -20,6 +20,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.passes.clone import clone_ops, rewire, wait_for_clones
+from epl.passes.slots import slots
 from epl.op_tables import is_host_op
 
 
@@ -103,7 +104,11 @@ def replicate(ctx):
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n) if v.name in copies[c]]
               for v in analysis.mirrored}
-  return Replication(copies, _build_sync(ctx, mirrored), mirrored, weights)
+  synced = mirrored
+  if plan.memory.zero:       # optimizer slots live once, on their owner (the zero pass)
+    partitioned = slots(mirrored, {g.variable for g in plan.gradients})
+    synced = {k: v for k, v in mirrored.items() if k not in partitioned}
+  return Replication(copies, _build_sync(ctx, synced), mirrored, weights)
 
 
 def _read(var_op):

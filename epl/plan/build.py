@@ -34,7 +34,7 @@ def _memory(graph, config):
           "holds no tensor; add the tensors to keep with tf.add_to_collection(\"checkpoints\", "
           "tensor), or use gradient_checkpoint.type 'auto'")
   return Memory(config.offload.level, config.optimizer.num_apply_group, gc.type,
-                gc.end_taskgraph, names, gc.check_gradients)
+                gc.end_taskgraph, names, gc.check_gradients, config.zero.level)
 
 
 def build_plan(graph, recorder, config, cluster, upto_version=None):
@@ -127,6 +127,19 @@ def _placements(specs, config, cluster):
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
         "every replicate scope the same device_count" % ", ".join(
             "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
+  if config.zero.level in ("v1", "v2"):
+    raise NotImplementedYetError(
+        "zero.level %r is not implemented yet in epl (v1 also partitions gradients, v2 the "
+        "weights); zero.level 'v0' partitions the optimizer state" % config.zero.level)
+  if config.zero.level and (has_split or cluster.worker_num > 1 or config.offload.level or
+                            config.optimizer.num_apply_group > 1):
+    raise NotImplementedYetError(
+        "zero.level 'v0' is implemented for data parallelism inside one worker, without "
+        "epl.split, offload.level and optimizer.num_apply_group, in this version of epl "
+        "(this job: %d worker(s)%s%s%s)" % (
+            cluster.worker_num, ", epl.split" if has_split else "",
+            ", offload.level" if config.offload.level else "",
+            ", optimizer.num_apply_group" if config.optimizer.num_apply_group > 1 else ""))
   if config.offload.level and has_split:
     raise NotImplementedYetError(
         "offload.level %r with epl.split is not implemented yet in epl (the split parts are "

@@ -115,6 +115,7 @@ class Memory:
   checkpoint_end_taskgraph: int = -1        # last TaskGraph GC applies to (-1: all)
   checkpoints: Tuple[str, ...] = ()         # the "checkpoints" collection, by tensor name
   check_gradients: bool = False             # verify the recomputed tensors once
+  zero: str = ""                            # "v0": optimizer state partitioned over replicas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""ZeRO v0 pass (``zero.level: "v0"``): each data-parallel copy keeps and updates the
+optimizer state of its share of the variables only.
+
+Expects: the replicate clones (the copies' variables; ``replicate`` leaves the slots out of
+the replica sync), the synchronised gradients (``gradient_sync``) and the plan's apply phase.
+For each TaskGraph, its trained variables are given owners among the worker's copies,
+balanced by size (largest first, each to the lightest copy). For a variable v owned by copy j:
+
+* v's optimizer slots (``<v>/Momentum``, Adam's ``m`` / ``v``, a hand-written ``<v>/adam_m``)
+  exist once: the user's slot variables, placed on copy j's device. Copy j's update reads and
+  writes them; the other copies' slot clones are never initialised nor read (no memory).
+  Checkpoints keep saving and restoring the user's slot variables: a checkpoint is the same as
+  without ZeRO;
+* only copy j runs v's update (on the all-reduced gradient, as before); every other copy c
+  instead copies the updated value, ``v_c := v_j``, once copy j's update ran -- it waits for
+  that where it waited for its own update (the optimizer's finish op, ``global_step``).
+
+The optimizer's per-step bookkeeping that is not a slot (Adam's beta powers) stays per copy.
+Returns ``Zero``.
+"""
+import dataclasses
+from typing import Dict, Tuple
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.errors import NotImplementedYetError
+from epl.passes.slots import owner_of, slots, written
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero:
+  owners: Dict[str, int] = dataclasses.field(default_factory=dict)  # variable -> owner copy
+  slots: Tuple[str, ...] = ()                                       # partitioned slots
+
+  def __str__(self):
+    return "Zero(%d variables over their owners, %d slots partitioned)" % (
+        len(self.owners), len(self.slots))
+
+
+def _size(var_op):
+  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
+      tf.TensorShape(var_op.get_attr("shape"))
+  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
+
+
+def _read(var_op):
+  if var_op.type == "VarHandleOp":
+    return tf.raw_ops.ReadVariableOp(resource=var_op.outputs[0], dtype=var_op.get_attr("dtype"))
+  return tf.identity(var_op.outputs[0])
+
+
+def _assign(var_op, value):
+  if var_op.type == "VarHandleOp":
+    return tf.raw_ops.AssignVariableOp(resource=var_op.outputs[0], value=value)
+  return tf.assign(var_op.outputs[0], value).op
+
+
+def _stand_in(graph, slot, device):
+  """A variable like ``slot`` on ``device`` that nothing initialises (it holds no memory)."""
+  dtype = tf.as_dtype(slot.get_attr("dtype"))
+  shape = slot.get_attr("shape")
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.device(device), tf.name_scope("epl_zero/unused"):
+    if slot.type == "VarHandleOp":
+      return tf.raw_ops.VarHandleOp(dtype=dtype, shape=shape,
+                                    shared_name="epl_zero/unused/" + slot.name).op
+    return tf.raw_ops.VariableV2(shape=shape, dtype=dtype.base_dtype).op
+
+
+def zero(ctx):
+  """Runs the pass; see the module docstring."""
+  if ctx.plan.memory.zero != "v0":
+    return Zero()
+  graph, worker = ctx.graph, ctx.worker
+  n = worker.num_copies
+  if n == 1:
+    return Zero()
+  clones = ctx.clones()
+  get = graph.get_operation_by_name
+  trained = sorted({g.variable for g in ctx.plan.gradients})
+  step = ctx.result("analyze").cloned_set
+  mirrored = ctx.result("replicate").mirrored
+  partitioned = slots(mirrored, trained)
+  apply_ops = [op for op, phase in ctx.phase.items() if phase == "apply" and op in step]
+  updates = {}                                   # trained variable -> its update ops (copy 0)
+  for op in apply_ops:
+    var = written(op)
+    if var is not None and owner_of(var.name, trained) is not None:
+      updates.setdefault(owner_of(var.name, trained), []).append(op)
+  loads, owners = [0] * n, {}
+  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
+    j = loads.index(min(loads))
+    owners[name] = j
+    loads[j] += _size(get(name))
+  colocated = {}
+  for op in graph.get_operations():
+    for group in op.colocation_groups():
+      colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
+  for name, j in owners.items():
+    device = clones.op(j, get(name)).device
+    for slot in (s for s, v in partitioned.items() if v == name):
+      user = get(slot)
+      if j:
+        # copy 0's own (never run) update must stay placeable next to copy 0's variable:
+        # it gets a stand-in slot that is never initialised
+        dead = [op for op in updates[name] if any(t.op is user for t in op.inputs)]
+        if dead:
+          stand_in = _stand_in(graph, user, dead[0].device or get(name).device)
+          for op in dead:
+            for i, t in enumerate(op.inputs):
+              if t.op is user:
+                compat.update_input(op, i, stand_in.outputs[0])
+      for op in [user] + [c for c in user.outputs[0].consumers()] + colocated.get(slot, []):
+        compat.set_device(op, device)
+      if j:                                      # the owner's ops use the user's slot
+        clone = mirrored[slot][j]
+        for consumer in list(clone.outputs[0].consumers()):
+          for i, t in enumerate(consumer.inputs):
+            if t is clone.outputs[0]:
+              compat.update_input(consumer, i, user.outputs[0])
+    owner_var = clones.op(j, get(name))
+    owner_updates = [clones.op(j, op) for op in updates[name]]
+    for c in range(n):
+      if c == j:
+        continue
+      mine = [clones.op(c, op) for op in updates[name]]
+      var_c = clones.op(c, get(name))
+      with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
+          tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
+        copied = _assign(var_c, _read(owner_var))
+      for op in mine:
+        for t in op.outputs:
+          if t.consumers():
+            raise NotImplementedYetError(
+                "zero.level v0: the update %s of %s has a data output that %s reads; only "
+                "updates that other ops wait for (control dependencies) are supported" % (
+                    op.name, name, t.consumers()[0].name))
+        for waiter in list(compat.control_outputs(op)):
+          compat.replace_control_inputs(waiter, {op: copied})
+  return Zero(owners, tuple(sorted(partitioned)))
