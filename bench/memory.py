@@ -13,10 +13,11 @@
 
 Memory is epl.memory.measure (variables = bytes the variables hold on the device; step peak =
 the traced peak of one step's allocations on it) and, for checkpointing, the process peak.
-ZeRO is not built yet (issue 12).
+  zero         zero.level v0 vs none: the MLP with Adam, data parallel on 2 and 4 devices:
+               the variables each device holds (weights + its share of the slots)
 
 usage: python bench/memory.py [--width 1024] [--layers 4] [--batch 256] [--steps 10]
-                              [--only offload,groups,checkpoint]
+                              [--only offload,groups,checkpoint,zero]
 """
 import argparse
 import json
@@ -196,12 +197,12 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--only", default="offload,groups,checkpoint")
+  parser.add_argument("--only", default="offload,groups,checkpoint,zero")
   args = parser.parse_args()
   only = set(args.only.split(","))
   if "checkpoint" in only:
     checkpointing(3)
-  if not only & {"offload", "groups"}:
+  if not only & {"offload", "groups", "zero"}:
     return
   print("\nMLP %d x %d, batch %d, %d timed steps" % (args.layers, args.width, args.batch,
                                                      args.steps))
@@ -225,7 +226,15 @@ def main():
   print("  4 groups: step peak %.1f MiB, %.1f ms/step" % (peak(four) / MiB, four_t * 1e3))
   print("  ratio 4 groups / 1: step peak %.2f, step time %.2f" % (peak(four) / peak(one),
                                                                    four_t / one_t))
-  print("\nZeRO: not built yet")
+  print("\nZeRO v0, data parallel, Adam (weights + 2 slots per weight)")
+  for devices in (2, 4):
+    base_t, base = run(args, devices, {}, "adam")
+    zero_t, zero = run(args, devices, {"zero.level": "v0"}, "adam")
+    held, held_zero = ([r.held(d) for d in _devices(r)] for r in (base, zero))
+    print("  %d devices: variables per device %.1f MiB -> max %.1f MiB (ratio %.2f; ideal "
+          "%.2f), step %.1f -> %.1f ms (x%.2f)" % (
+              devices, max(held) / MiB, max(held_zero) / MiB, max(held_zero) / max(held),
+              (1 + 2.0 / devices) / 3, base_t * 1e3, zero_t * 1e3, zero_t / base_t))
 
 
 if __name__ == "__main__":

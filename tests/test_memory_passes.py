@@ -157,12 +157,15 @@ def test_grouped_apply_lowers_the_peak_of_the_update():
 
 
 # ---- ZeRO v0 -----------------------------------------------------------------------------
-@pytest.mark.parametrize("devices,optimizer", [(2, "adam"), (4, "adam"), (2, "hand")])
+@pytest.mark.parametrize("devices,optimizer,micro", [
+    (2, "adam", 1), (4, "adam", 1), (2, "hand", 1), (2, "adam", 2)],
+    ids=["2 devices", "4 devices", "hand-written Adam", "2 micro-batches (accumulation)"])
 def test_zero_v0_trains_the_local_model_with_a_share_of_the_slots_per_device(devices,
-                                                                            optimizer):
+                                                                            optimizer, micro):
   widths = (32,) * 6
   local = train(mlp(optimizer, widths=widths))
-  run = train(mlp(optimizer, widths=widths), config(devices, **{"zero.level": "v0"}),
+  keys = {"zero.level": "v0", "pipeline.num_micro_batch": micro}
+  run = train(mlp(optimizer, widths=widths), config(devices, **keys),
               initial=local.initial, measure_memory=True)
   assert_same(run, local)
   done = run.parallel.results["zero"]
