@@ -15,11 +15,12 @@ usage: python bench/comm.py [--steps 30]
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from dp_scaling import free_ports      # bench/ is this script's directory
 
 HIDDEN = 384
 
@@ -63,18 +64,8 @@ def worker(args):
                     "wire_bytes": wire}))
 
 
-def _ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
-
-
 def run_pair(args, gradients, env):
-  hosts = ["localhost:%d" % p for p in _ports(2)]
+  hosts = ["localhost:%d" % p for p in free_ports(2)]
   procs = []
   for i in range(2):
     full = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",

@@ -25,8 +25,14 @@ class Key:
   default: Any
   choices: Tuple[str, ...] = ()      # for "str": allowed spellings (matched case-insensitively)
   minimum: Optional[int] = None      # for "int"
-  built: bool = True                 # False: only the default is accepted
+  built: Any = True                  # False: only the default is accepted; a tuple: the
+                                     # values that are built (the others are refused)
   help: str = ""
+
+  def is_built(self, value):
+    if isinstance(self.built, tuple):
+      return value in self.built
+    return self.built or value == self.default
 
   @property
   def env_name(self):
@@ -49,7 +55,7 @@ KEYS = {k.name: k for k in [
        help="last TaskGraph index gradient checkpointing applies to (-1: all)"),
     _k("gradient_checkpoint.check_gradients", "bool", False,
        help="check in the first training step that recomputed tensors equal forward's"),
-    _k("zero.level", "str", "", ("", "v0", "v1", "v2"),
+    _k("zero.level", "str", "", ("", "v0", "v1", "v2"), built=("", "v0"),
        help="v0: each data-parallel replica keeps and updates the optimizer state of its "
             "share of the variables"),
     _k("offload.level", "str", "", ("", "v0"),
@@ -188,12 +194,15 @@ class Config:
         value = _parse(key, environ[key.env_name], from_env=True)
       else:
         value = key.default
-      if not key.built and value != key.default:
+      if not key.is_built(value):
+        other = " or one of %s" % ", ".join(repr(v) for v in key.built if v != key.default) \
+            if isinstance(key.built, tuple) else ""
         raise NotImplementedYetError(
             "Config key %r=%r%s: this feature is not implemented yet in epl; remove the %s "
-            "(default %r)." % (name, value,
-                               " (from environment variable %s)" % key.env_name if from_env
-                               else "", "variable" if from_env else "key", key.default))
+            "(default %r)%s." % (name, value,
+                                 " (from environment variable %s)" % key.env_name if from_env
+                                 else "", "variable" if from_env else "key", key.default,
+                                 other))
       values[name] = value
     object.__setattr__(self, "_values", values)
     for section in _SECTIONS:

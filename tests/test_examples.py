@@ -7,6 +7,7 @@ import re
 import runpy
 
 import numpy as np
+import pytest
 import tensorflow.compat.v1 as tf
 
 from tests.test_multiworker import ROOT, launch
@@ -53,21 +54,15 @@ def test_split_classification_example_trains_the_local_model(monkeypatch, tmp_pa
   assert "Split boundaries" in out
 
 
-def test_split_classification_example_under_epl_launch(tmp_path):
-  out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
-                str(tmp_path / "logs"), "examples/split_classification/run.sh"])
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert "step 30 loss" in out.stdout and "all workers finished" in out.stdout
-
-
 def test_moe_example_trains_the_local_model(monkeypatch, tmp_path):
   out = assert_example_trains_the_local_model("moe", monkeypatch, tmp_path)
   # the expert computation written after the split scope is split, not replicated
   assert "gather attention_norm/mul_1:0 -> einsum_1/einsum/Einsum" in out
 
 
-def test_moe_example_under_epl_launch(tmp_path):
+@pytest.mark.parametrize("example", ["split_classification", "moe"])
+def test_example_under_epl_launch_on_two_workers(example, tmp_path):
   out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
-                str(tmp_path / "logs"), "examples/moe/run.sh"])
+                str(tmp_path / "logs"), "examples/%s/run.sh" % example])
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "step 30 loss" in out.stdout and "all workers finished" in out.stdout

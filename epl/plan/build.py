@@ -127,10 +127,6 @@ def _placements(specs, config, cluster):
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
         "every replicate scope the same device_count" % ", ".join(
             "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
-  if config.zero.level in ("v1", "v2"):
-    raise NotImplementedYetError(
-        "zero.level %r is not implemented yet in epl (v1 also partitions gradients, v2 the "
-        "weights); zero.level 'v0' partitions the optimizer state" % config.zero.level)
   if config.zero.level and (has_split or cluster.worker_num > 1 or config.offload.level or
                             config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
