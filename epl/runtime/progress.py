@@ -40,19 +40,23 @@ _ELEMENTS = (tf.Tensor, tf.Operation, str, tf.Variable, tf.compat.v2.Variable)
 def _fetch_key(fetches, element_types):
   """A hashable key for a fetch structure made of graph elements, else None.
   ``element_types``: the types already seen to be graph elements (isinstance checks against
-  TF's abstract classes cost microseconds)."""
-  def element(f):
-    if type(f) in element_types:
-      return True
-    if isinstance(f, _ELEMENTS):
-      element_types.add(type(f))
-      return True
-    return False
-  if element(fetches):
+  TF's abstract classes cost microseconds; this runs on every ``session.run``)."""
+  kind = type(fetches)
+  if kind is list or kind is tuple:
+    for f in fetches:
+      if type(f) not in element_types and not _learn(f, element_types):
+        return None
+    return (kind,) + tuple(fetches)
+  if kind in element_types or _learn(fetches, element_types):
     return fetches
-  if type(fetches) in (list, tuple) and all(element(f) for f in fetches):
-    return (type(fetches),) + tuple(fetches)
   return None
+
+
+def _learn(element, element_types):
+  if isinstance(element, _ELEMENTS):
+    element_types.add(type(element))
+    return True
+  return False
 
 
 class Progress:
