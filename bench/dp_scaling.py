@@ -165,6 +165,56 @@ def worker_mwms(args):
   print(json.dumps({"samples_per_s": args.steps * args.batch / seconds}))
 
 
+def worker_horovod(args):
+  """The same MLP under Horovod (TF1 graph, DistributedOptimizer over Gloo), and a 4 MiB
+  hvd.allreduce; started by horovodrun."""
+  import tensorflow.compat.v1 as tf
+  tf.disable_v2_behavior()
+  import horovod.tensorflow as hvd
+  hvd.init()
+  x_np, y_np = data(args.width, args.batch, hvd.rank())
+  x, y = tf.data.make_one_shot_iterator(tf.data.Dataset.from_tensor_slices(
+      (x_np, y_np)).batch(args.batch).repeat()).get_next()
+  h = x
+  for _ in range(3):
+    h = tf.layers.dense(h, args.width, activation=tf.nn.relu)
+  loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10))
+  train = hvd.DistributedOptimizer(tf.train.GradientDescentOptimizer(0.01)).minimize(loss)
+  big = tf.Variable(tf.ones([1 << 20]), name="big")
+  reduced = hvd.allreduce(big.read_value())
+  with tf.Session() as sess:
+    sess.run(tf.global_variables_initializer())
+    sess.run(hvd.broadcast_global_variables(0))
+    for _ in range(5):
+      sess.run(train)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+      sess.run(train)
+    seconds = time.perf_counter() - start
+    lat = []
+    for _ in range(30):
+      t = time.perf_counter()
+      sess.run(reduced.op)
+      lat.append(time.perf_counter() - t)
+  print(json.dumps({"samples_per_s": args.steps * args.batch / seconds,
+                    "allreduce_ms": statistics.median(lat[5:]) * 1e3}))
+
+
+def run_horovod(args):
+  """Both Horovod workers under horovodrun (Gloo, localhost); their JSON lines."""
+  runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+  out = subprocess.run(
+      [runner, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+       os.path.abspath(__file__), "--role", "horovod", "--steps", str(args.steps), "--width",
+       str(args.width), "--batch", str(args.batch)],
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES=""),
+      capture_output=True, text=True, timeout=600)
+  lines = [line[line.index("{"):] for line in out.stdout.splitlines() if "{" in line]
+  if out.returncode != 0 or len(lines) < 2:
+    raise RuntimeError("horovodrun failed:\n%s" % (out.stdout[-2000:] + out.stderr[-2000:]))
+  return [json.loads(line) for line in lines[-2:]]
+
+
 def horovod_available():
   try:
     import horovod.tensorflow  # noqa: F401
@@ -181,7 +231,8 @@ def main():
   p.add_argument("--batch", type=int, default=64)
   args = p.parse_args()
   if args.role != "driver":
-    {"epl": worker_epl, "bare": worker_bare, "mwms": worker_mwms}[args.role](args)
+    {"epl": worker_epl, "bare": worker_bare, "mwms": worker_mwms,
+     "horovod": worker_horovod}[args.role](args)
     return
   epl_res = run_pair("epl", args)
   mwms_res = run_pair("mwms", args)
@@ -193,14 +244,21 @@ def main():
   print("  epl                          %8.0f samples/s" % epl_sps)
   print("  MultiWorkerMirroredStrategy  %8.0f samples/s" % mwms_sps)
   print("  ratio epl / MWMS = %.2f (target >= 1.0)" % (epl_sps / mwms_sps))
-  if horovod_available():
-    print("  Horovod: installed, but its driver is not wired into this script yet")
+  hvd_res = run_horovod(args) if horovod_available() else None
+  if hvd_res:
+    hvd_sps = sum(r["samples_per_s"] for r in hvd_res)
+    print("  Horovod 0.28.1 (Gloo)        %8.0f samples/s" % hvd_sps)
+    print("  ratio epl / Horovod = %.2f (target >= 1.0)" % (epl_sps / hvd_sps))
   else:
-    print("  Horovod 0.28.1: not installed here (optional; see docs/benchmarks.md)")
+    print("  Horovod 0.28.1: not installed here; bash bench/build_horovod.sh builds it")
   e = statistics.median(r["allreduce_ms"] for r in epl_res)
   b = statistics.median(r["allreduce_ms"] for r in bare_res)
   print("all-reduce of 4 MiB float32, 2 processes, median: epl %.1f ms, bare TF collective "
         "%.1f ms, ratio %.2f" % (e, b, e / b))
+  if hvd_res:
+    h = statistics.median(r["allreduce_ms"] for r in hvd_res)
+    print("  Horovod hvd.allreduce %.1f ms, ratio epl / Horovod %.2f (target <= 1.0)" % (
+        h, e / h))
 
 
 if __name__ == "__main__":
