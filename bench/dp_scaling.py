@@ -207,7 +207,8 @@ def run_horovod(args):
       [runner, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
        os.path.abspath(__file__), "--role", "horovod", "--steps", str(args.steps), "--width",
        str(args.width), "--batch", str(args.batch)],
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES=""),
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+               TF_USE_LEGACY_KERAS="1"),             # tf.layers, as in epl's workers
       capture_output=True, text=True, timeout=600)
   lines = [line[line.index("{"):] for line in out.stdout.splitlines() if "{" in line]
   if out.returncode != 0 or len(lines) < 2:
