@@ -24,14 +24,14 @@ def _alive(pid):
     return False
 
 
-def _start_workers(tmp_path, count, steps=100000, extra=()):
+def _start_workers(tmp_path, count, steps=100000, extra=(), extra_env=None):
   """``count`` workers started from TF_CONFIG alone (as a scheduler would), no launcher."""
   hosts = ["localhost:%d" % p for p in free_ports(count)]
   procs = []
   for i in range(count):
     env = dict(ENV, TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
                                           "task": {"type": "worker", "index": i}}),
-               EPL_CLUSTER_DEVICES_PER_WORKER="1", EPL_LOG_PROGRESS_SECS="0")
+               EPL_CLUSTER_DEVICES_PER_WORKER="1", EPL_LOG_PROGRESS_SECS="0", **(extra_env or {}))
     procs.append(subprocess.Popen(
         [sys.executable, TRAIN, str(tmp_path / "ck"), str(tmp_path), str(steps), "0.05"] +
         list(extra),
@@ -89,6 +89,24 @@ def test_a_serving_worker_that_loses_its_client_stops_with_an_error(tmp_path):
     for p in procs:
       if p.poll() is None:
         p.kill()
+
+
+def test_workers_leave_together_so_no_last_step_loses_its_peer(tmp_path):
+  # worker 1 is 4 s slower to finish: worker 0 keeps its server until worker 1 is done too
+  # (otherwise a peer still pulling the last collective's chunk fails with "lost worker")
+  procs = _start_workers(tmp_path, 2, steps=4, extra_env={"TEST_LINGER_1": "4"})
+  ended = [None, None]
+  outs = [None, None]
+  while any(e is None for e in ended):
+    for i, p in enumerate(procs):
+      if ended[i] is None and p.poll() is not None:
+        ended[i] = time.time()
+    time.sleep(0.05)
+  for i, p in enumerate(procs):
+    outs[i] = p.communicate()
+    assert p.returncode == 0, outs[i][1][-3000:]
+  done = [float(re.search(r"done at ([0-9.]+)", o).group(1)) for o, _ in outs]
+  assert ended[0] >= done[1] + 4, (ended, done)
 
 
 def test_a_serving_worker_ends_cleanly_when_its_client_finishes(tmp_path):

@@ -40,7 +40,7 @@ def rewrite(state):
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel
   if state.server is not None:
-    serve.arrange_goodbye(state, plan)
+    serve.arrange_exit(state, plan)
   merges = pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1)
   state.fetch_mapper = FetchMapper(state.graph, pg, state.collections) if merges else None
   state.feeds = FeedSplitter(pg) if merges else None

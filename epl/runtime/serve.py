@@ -1,11 +1,18 @@
-"""Serve-only workers, and how they tell a finished job from a lost client.
+"""How the workers of a job end: together, and telling a finished job from a lost peer.
 
-A worker that holds no model replica's first stage only serves its devices to the clients
-(the workers whose sessions drive the copies): its script stops in ``serve`` until the
-clients are gone. A client says goodbye when its process ends normally: it sets a flag
-variable that lives on each serve-only worker (``epl_goodbye/client_<c>``). A serve-only
-worker whose clients are all gone exits 0 when each said goodbye, and otherwise stops with an
-error naming the client it lost.
+Clients (the workers whose sessions drive the model copies) leave together: when a client's
+process ends normally it meets the other clients in a farewell barrier before its server goes
+away. Without it the first client to finish its last step could exit while a peer still
+pulls that step's last collective chunk from it, and the peer's step would fail with "lost
+worker". A worker that completed the barrier knows every client has finished its steps; the
+barrier's own last pull may then fail on a peer that exits first, which is harmless and
+ignored. A process that ends with an uncaught exception skips it (its peers are failing too).
+
+A worker that holds no model replica's first stage only serves its devices to the clients:
+its script stops in ``serve`` until the clients are gone. A client says goodbye when its
+process ends normally: it sets a flag variable that lives on each serve-only worker
+(``epl_goodbye/client_<c>``). A serve-only worker whose clients are all gone exits 0 when each
+said goodbye, and otherwise stops with an error naming the client it lost.
 """
 import atexit
 import logging
@@ -17,6 +24,8 @@ from tensorflow.python.ops import state_ops
 
 from epl import _tf_compat as compat
 from epl.runtime.faults import PeerError, reachable
+from epl.errors import EplError
+from epl.runtime import server as servers
 from epl.runtime.server import session_target_config
 
 log = logging.getLogger("epl")
@@ -31,17 +40,25 @@ def _serving_workers(plan):
   return [w for w in range(plan.worker_num) if w not in plan.clients]
 
 
-def arrange_goodbye(state, plan):
-  """On a client with serve-only peers: set their flags when this process ends normally."""
-  servers = _serving_workers(plan)
+FAREWELL_SECONDS = 60        # a client that never reaches its farewell (it hangs) costs this
+
+
+def arrange_exit(state, plan):
+  """On a client of a multi-worker job: at normal process exit, meet the other clients in a
+  farewell barrier, then set the serve-only workers' goodbye flags."""
   me = state.cluster.worker_index
-  if not servers or me not in plan.clients:
+  clients = sorted(plan.clients) if plan.clients else list(range(plan.worker_num))
+  if me not in clients:
     return
-  graph = state.graph
-  with compat.unfinalized(graph), graph.as_default(), tf.name_scope(None), \
-      tf.control_dependencies(None):
-    goodbye = tf.group(*[tf.assign(_flag(state.cluster.host(w), me), True,
-                                   validate_shape=False) for w in servers])
+  instance = servers.next_barrier()               # the same on every worker of the script
+  servers_only = _serving_workers(plan)
+  goodbye = None
+  if servers_only:
+    graph = state.graph
+    with compat.unfinalized(graph), graph.as_default(), tf.name_scope(None), \
+        tf.control_dependencies(None):
+      goodbye = tf.group(*[tf.assign(_flag(state.cluster.host(w), me), True,
+                                     validate_shape=False) for w in servers_only])
   failed = []
   previous_hook = sys.excepthook
 
@@ -50,17 +67,28 @@ def arrange_goodbye(state, plan):
     previous_hook(kind, value, tb)
   sys.excepthook = excepthook
 
-  def say_goodbye():
+  def on_exit():
     if failed:
       return
-    config = session_target_config(state.cluster, tf.ConfigProto())
-    config.device_filters.extend("/job:worker/task:%d" % w for w in servers)
-    try:
-      with tf.Session(state.server.target, graph=graph, config=config) as sess:
-        sess.run(goodbye, options=tf.RunOptions(timeout_in_ms=10000))
-    except tf.errors.OpError as e:                 # a serve-only worker already gone
-      log.debug("goodbye not delivered: %s", e)
-  atexit.register(say_goodbye)
+    if len(clients) > 1 and 0 in clients:        # task 0 leads every collective group
+      try:
+        servers.barrier(state.server, state.cluster, FAREWELL_SECONDS, instance=instance,
+                        size=len(clients), group_key=servers.FAREWELL_GROUP_KEY)
+      except EplError as e:                      # a peer left first, or never came
+        log.debug("farewell barrier: %s", e)
+    if goodbye is not None:
+      _say_goodbye(state, goodbye, servers_only)
+  atexit.register(on_exit)
+
+
+def _say_goodbye(state, goodbye, servers_only):
+  config = session_target_config(state.cluster, tf.ConfigProto())
+  config.device_filters.extend("/job:worker/task:%d" % w for w in servers_only)
+  try:
+    with tf.Session(state.server.target, graph=state.graph, config=config) as sess:
+      sess.run(goodbye, options=tf.RunOptions(timeout_in_ms=10000))
+  except tf.errors.OpError as e:                 # a serve-only worker already gone
+    log.debug("goodbye not delivered: %s", e)
 
 
 def _said_goodbye(state, client):

@@ -19,6 +19,7 @@ log = logging.getLogger("epl")
 _SERVERS = {}           # (hosts, index) -> server: a process can start a server only once
 LEADER = "/job:%s/replica:0/task:0" % JOB
 BARRIER_GROUP_KEY = 2 ** 30
+FAREWELL_GROUP_KEY = 2 ** 30 + 1
 
 
 class StartupError(EplError, RuntimeError):
@@ -74,13 +75,15 @@ def next_barrier():
   return _barriers[0]
 
 
-def barrier(server, cluster, timeout, instance=1):
-  """Blocks until every worker reached it; raises StartupError after ``timeout`` seconds."""
+def barrier(server, cluster, timeout, instance=1, size=None, group_key=BARRIER_GROUP_KEY):
+  """Blocks until every worker (or the ``size`` workers of the group ``group_key``) reached
+  it; raises StartupError after ``timeout`` seconds."""
+  size = size or cluster.worker_num
   graph = tf.Graph()
   with graph.as_default():
     with tf.device("/job:%s/replica:0/task:%d/device:CPU:0" % (JOB, cluster.worker_index)):
       ping = collective_ops.all_reduce_v2(
-          tf.constant(1.0), group_size=cluster.worker_num, group_key=BARRIER_GROUP_KEY,
+          tf.constant(1.0), group_size=size, group_key=group_key,
           instance_key=instance, merge_op="Add", final_op="Id")
   config = session_target_config(cluster, tf.ConfigProto())
   start = time.time()
@@ -95,5 +98,5 @@ def barrier(server, cluster, timeout, instance=1):
         "that all workers were started with the same TF_CONFIG, or raise "
         "cluster.startup_timeout" % (cluster.worker_index, cluster.worker_num, timeout,
                                      type(e).__name__, str(e).splitlines()[0])) from None
-  assert int(joined) == cluster.worker_num
-  log.debug("barrier: all %d workers joined in %.1f s", cluster.worker_num, time.time() - start)
+  assert int(joined) == size
+  log.debug("barrier: all %d workers joined in %.1f s", size, time.time() - start)

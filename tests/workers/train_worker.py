@@ -1,6 +1,8 @@
 """A checkpointed training run for the fault and resume tests (started by epl-launch).
 
 usage: train_worker.py CKPT_DIR OUT_DIR STEPS SLEEP [pipeline]
+TEST_LINGER_<index> (seconds): worker <index> waits that long after its last step before its
+script ends (a worker slower to finish than its peers).
 Every worker passes is_chief=True, as EPL's examples do; epl lets only worker 0 write. With
 ``pipeline`` the model is two stages with 2 micro-batches (on 2 workers x 1 device, worker 1
 only serves).
@@ -46,7 +48,8 @@ def main():
       _, current = sess.run([train, step])
       print("worker %d step %d" % (index, current), flush=True)
       time.sleep(pause)
-  print("worker %d done" % index, flush=True)
+  print("worker %d done at %.3f" % (index, time.time()), flush=True)
+  time.sleep(float(os.environ.get("TEST_LINGER_%d" % index, "0")))
 
 
 if __name__ == "__main__":
