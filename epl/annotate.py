@@ -150,6 +150,8 @@ class Recorder:
     self.phase_intervals = []  # (first_id, last_id, phase)
     self.grads_and_vars = []   # (grad, var) pairs given to apply_gradients
     self.gradients = []        # (grad, variable op) pairs tf.gradients returned
+    self.twins = {}            # op name -> name of the op whose TaskGraph and phase it takes:
+                               # ops a transform built for another one (epl.amp)
     # epl.split: what its rules built (epl.sharding.rules)
     self.shard_intervals = []  # (first, last, shard) ops of one shard
     self.rule_intervals = []   # (first, last) ops built by a rule (they may read sharded values)

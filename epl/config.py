@@ -60,9 +60,15 @@ KEYS = {k.name: k for k in [
             "share of the variables"),
     _k("offload.level", "str", "", ("", "v0"),
        help="v0: weights, optimizer slots and the update live on the host CPU"),
-    _k("amp.level", "str", "", ("", "O1"), built=False),
-    _k("amp.loss_scale", "loss_scale", "dynamic", built=False),
-    _k("amp.debug_log", "bool", False, built=False),
+    _k("amp.level", "str", "", ("", "O1"),
+       help="O1: compute-heavy ops (matmul, conv) and what follows them run in amp.dtype; "
+            "weights stay float32 and are cast just before each use"),
+    _k("amp.loss_scale", "loss_scale", "dynamic",
+       help="float16 loss scaling: 'dynamic' (2^15, halve and skip the update on inf/nan, "
+            "double after 2000 good steps) or a fixed number"),
+    _k("amp.debug_log", "bool", False, help="log every op AMP converts and why others stay"),
+    _k("amp.dtype", "str", "float16", ("float16", "bfloat16"),
+       help="the low precision of amp.level O1 (bfloat16: no loss scaling needed)"),
     _k("optimizer.num_apply_group", "int", 1, minimum=1,
        help="run the optimizer update in this many sequential groups balanced by size"),
     _k("cluster.device_place_prefer_intra_node", "bool", True),

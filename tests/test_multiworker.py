@@ -45,10 +45,13 @@ COMMUNICATION = {"EPL_COMMUNICATION_FP16": "true", "EPL_COMMUNICATION_NUM_COMMUN
                  "EPL_COMMUNICATION_MAX_SPLITS": "3"}
 
 
+AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
+
+
 @pytest.mark.parametrize("workers,devices,env", [
-    (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION)],
+    (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
-         "2x1 fp16 buckets on 3 channels"])
+         "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   global_batch = workers * devices * batch
@@ -68,10 +71,15 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
       for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
         assert result in log, log[-3000:]
+  if env is AMP:
+    for w in range(workers):
+      log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
+      assert "amp O1: " in log and "dynamic loss scale" in log, log[-3000:]
   # each worker's fetched loss is the mean over its copies; their mean is the global loss
   losses = np.mean([r["__losses__"] for r in results], axis=0)
   # float16 on the wire: ~3 decimal digits per gradient (scaled by 128 before the cast)
-  rtol = 2e-3 if env is COMMUNICATION else 1e-5
+  # AMP: float16 matmuls (see tests/test_amp.py for the tolerance)
+  rtol = {id(COMMUNICATION): 2e-3, id(AMP): 3e-3}.get(id(env), 1e-5)
   tol = rtol * np.maximum(1, np.abs(local.losses))
   assert (np.abs(losses - local.losses) <= tol).all(), (losses, local.losses)
   for r in results:                                   # every worker holds the same model

@@ -37,7 +37,7 @@ def _split_input(name):
   return op_name, int(index) if index else 0
 
 
-def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
+def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None, edit=None):
   """Clones ``ops`` (a list of Operations of ``graph``) under ``prefix``.
 
   Args:
@@ -48,6 +48,8 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
     device_fn: op -> device string for its clone ("" to let the placer decide).
     input_map: {original Tensor: replacement Tensor} for inputs from outside ``ops``.
     node_cache: a NodeDefCache to reuse between calls on the same graph.
+    edit: optional (op, NodeDef) -> None that changes a clone's NodeDef before it is built
+      (epl.amp switches its type attributes).
 
   Returns:
     {original op name: cloned Operation}.
@@ -68,6 +70,8 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None):
     node.device = device_fn(op) or ""
     if "_class" in node.attr:
       del node.attr["_class"]
+    if edit is not None:
+      edit(op, node)
     if node.op in _FRAME_OPS:
       frame = node.attr["frame_name"].s.decode()
       node.attr["frame_name"].s = ("%s/%s" % (prefix, frame)).encode()

@@ -17,6 +17,8 @@ TaskGraph (EPL's rule):
      failing that, of their first input (data, then control) that has one; failing that, of
      their first consumer that has one; failing that, the last TaskGraph;
   3. an optimizer-state variable (used by apply ops only): the TaskGraph of its first user.
+An op a transform built for another (``Recorder.twins``: epl.amp's float16 twin of a matmul,
+a cast before it) takes that op's TaskGraph and phase.
 """
 import bisect
 
@@ -106,14 +108,22 @@ def attribute_ops(graph, recorder, upto_version):
   rank = {op: i + 1 for i, op in enumerate(ops)}
   phase_fn = _phase_of_ids(recorder)
   phase = {op: phase_fn(rank[op]) for op in ops}
+  by_name = {op.name: op for op in ops}
+  twins = {op: by_name[recorder.twins[op.name]] for op in ops if op.name in recorder.twins}
+  for op, original in twins.items():
+    phase[op] = phase[original]
   _mark_update_region(ops, phase, recorder)
+  for op, original in twins.items():
+    phase[op] = phase[original]
   owner = {}
   for op in ops:
     if phase[op] == "forward":
-      owner[op] = recorder.taskgraph_of(rank[op])
-  by_name = {op.name: op for op in ops}
+      owner[op] = owner.get(twins[op]) if op in twins else recorder.taskgraph_of(rank[op])
   pending = [op for op in ops if op not in owner]
   for op in pending:        # ops are in creation order, so inputs are usually decided first
+    if op in twins:         # built after its original, so that one is decided
+      owner[op] = owner.get(twins[op])
+      continue
     owner[op] = _from_colocation(op, by_name, owner)
     if owner[op] is None and op.type not in VARIABLE_OPS:
       owner[op] = next((owner[x] for x in _inputs(op) if owner.get(x) is not None), None)

@@ -10,6 +10,7 @@ import time
 
 import epl.passes
 from epl import _tf_compat as compat
+from epl.amp import apply_amp
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
 from epl.runtime import serve
@@ -25,9 +26,17 @@ def parallel_graph(state):
   """The ParallelGraph of ``state``: the rewritten one, or a plan-only preview."""
   if state.parallel is not None:
     return state.parallel
-  annotate_stages(state)
+  transform(state)
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   return ParallelGraph(plan, state.graph, plan.for_worker(state.cluster.worker_index))
+
+
+def transform(state):
+  """The model transformations that run before planning, once: AMP, then the automatic
+  stage cut (auto.auto_parallel)."""
+  if state.amp is None and state.config.amp.level:
+    state.amp = apply_amp(state.graph, state.recorder, state.config)
+  annotate_stages(state)
 
 
 def rewrite(state):
@@ -35,7 +44,7 @@ def rewrite(state):
   if state.parallel is not None:
     return state.parallel
   start = time.time()
-  annotate_stages(state)
+  transform(state)
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
   pg = state.parallel
