@@ -171,7 +171,7 @@ def _scale_variable():
 def test_an_overflowing_step_is_skipped_and_the_dynamic_scale_halves():
   rng = np.random.RandomState(0)
   feed_x, feed_y = rng.randn(8, 8).astype(np.float32), rng.randint(0, 4, 8)
-  with tf.Graph().as_default() as graph:
+  with tf.Graph().as_default():
     epl.init(cfg(**{"amp.loss_scale": "dynamic"}))
     x, y, loss, train = _overflow_graph()
     init = tf.global_variables_initializer()      # built before epl adds its scale: covered
@@ -201,7 +201,7 @@ def test_the_dynamic_scale_doubles_after_enough_good_steps(monkeypatch):
   monkeypatch.setattr(sys.modules["epl.amp.scaling"], "GROWTH_INTERVAL", 3)
   rng = np.random.RandomState(0)
   feed = rng.randn(8, 8).astype(np.float32), rng.randint(0, 4, 8)
-  with tf.Graph().as_default() as graph:
+  with tf.Graph().as_default():
     epl.init(cfg(**{"amp.loss_scale": "dynamic"}))
     x, y, _, train = _overflow_graph()
     with tf.train.MonitoredTrainingSession() as sess:
