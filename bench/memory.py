@@ -13,8 +13,9 @@
 
 Memory is epl.memory.measure (variables = bytes the variables hold on the device; step peak =
 the traced peak of one step's allocations on it) and, for checkpointing, the process peak.
-  zero         zero.level v0 vs none: the MLP with Adam, data parallel on 2 and 4 devices:
-               the variables each device holds (weights + its share of the slots)
+  zero         zero.level v0 and v2 vs none: the MLP with Adam, data parallel on 2 and 4
+               devices: the variables each device holds (v0: weights + its share of the
+               slots; v2: its share of both), the traced step peak, the step time
 
 usage: python bench/memory.py [--width 1024] [--layers 4] [--batch 256] [--steps 10]
                               [--only offload,groups,checkpoint,zero]
@@ -226,15 +227,19 @@ def main():
   print("  4 groups: step peak %.1f MiB, %.1f ms/step" % (peak(four) / MiB, four_t * 1e3))
   print("  ratio 4 groups / 1: step peak %.2f, step time %.2f" % (peak(four) / peak(one),
                                                                    four_t / one_t))
-  print("\nZeRO v0, data parallel, Adam (weights + 2 slots per weight)")
+  print("\nZeRO, data parallel, Adam (weights + 2 slots per weight)")
   for devices in (2, 4):
     base_t, base = run(args, devices, {}, "adam")
-    zero_t, zero = run(args, devices, {"zero.level": "v0"}, "adam")
-    held, held_zero = ([r.held(d) for d in _devices(r)] for r in (base, zero))
-    print("  %d devices: variables per device %.1f MiB -> max %.1f MiB (ratio %.2f; ideal "
-          "%.2f), step %.1f -> %.1f ms (x%.2f)" % (
-              devices, max(held) / MiB, max(held_zero) / MiB, max(held_zero) / max(held),
-              (1 + 2.0 / devices) / 3, base_t * 1e3, zero_t * 1e3, zero_t / base_t))
+    for level, ideal in (("v0", (1 + 2.0 / devices) / 3), ("v2", 1.0 / devices)):
+      zero_t, zero = run(args, devices, {"zero.level": level}, "adam")
+      held, held_zero = ([r.held(d) for d in _devices(r)] for r in (base, zero))
+      print("  %s, %d devices: variables per device %.1f MiB -> max %.1f MiB (ratio %.2f; "
+            "ideal %.2f), step peak x%.2f, step %.1f -> %.1f ms (x%.2f)" % (
+                level, devices, max(held) / MiB, max(held_zero) / MiB,
+                max(held_zero) / max(held), ideal,
+                max(zero.peak(d) for d in _devices(zero)) /
+                max(base.peak(d) for d in _devices(base)),
+                base_t * 1e3, zero_t * 1e3, zero_t / base_t))
 
 
 if __name__ == "__main__":

@@ -156,21 +156,24 @@ def test_grouped_apply_lowers_the_peak_of_the_update():
   assert peaks[4] < 0.8 * peaks[1], peaks
 
 
-# ---- ZeRO v0 -----------------------------------------------------------------------------
+# ---- ZeRO v0 / v2 ------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["v0", "v2"])
 @pytest.mark.parametrize("devices,optimizer,micro", [
     (2, "adam", 1), (4, "adam", 1), (2, "hand", 1), (2, "adam", 2)],
     ids=["2 devices", "4 devices", "hand-written Adam", "2 micro-batches (accumulation)"])
-def test_zero_v0_trains_the_local_model_with_a_share_of_the_slots_per_device(devices,
-                                                                            optimizer, micro):
+def test_zero_trains_the_local_model_with_a_share_per_device(devices, optimizer, micro,
+                                                             level):
   widths = (32,) * 6
   local = train(mlp(optimizer, widths=widths))
-  keys = {"zero.level": "v0", "pipeline.num_micro_batch": micro}
+  keys = {"zero.level": level, "pipeline.num_micro_batch": micro}
   run = train(mlp(optimizer, widths=widths), config(devices, **keys),
               initial=local.initial, measure_memory=True)
   assert_same(run, local)
   done = run.parallel.results["zero"]
+  assert done.level == level
   assert sorted(set(done.owners.values())) == list(range(devices))     # every copy owns some
-  # every device holds the weights, and its share of the slots (balanced by size)
+  # v0: every device holds the weights and its share of the slots (balanced by size);
+  # v2: its share of the weights and of their slots
   weights = sum(v.nbytes for k, v in local.variables.items()
                 if re.match(r"(dense_\d|logits)/(kernel|bias)$", k))
   slots = sum(v.nbytes for k, v in local.variables.items() if k in done.slots)
@@ -179,15 +182,24 @@ def test_zero_v0_trains_the_local_model_with_a_share_of_the_slots_per_device(dev
   assert len(held) == devices
   unit = max(sum(v.nbytes for k, v in local.variables.items() if k in done.slots and
                   k.startswith(var + "/")) for var in done.owners)
-  for h in held:            # a share: 1/N of the slots, give or take one variable's
-    assert weights <= h <= weights + slots / devices + unit, (h, weights, slots, unit)
-  assert sum(held) <= devices * weights + slots + devices * 64     # each slot once
+  if level == "v0":
+    for h in held:            # a share: 1/N of the slots, give or take one variable's
+      assert weights <= h <= weights + slots / devices + unit, (h, weights, slots, unit)
+    assert sum(held) <= devices * weights + slots + devices * 64     # each slot once
+  else:
+    state = weights + slots
+    biggest = max(local.variables[v].nbytes for v in done.owners) + unit
+    for h in held:            # 1/N of weights and slots, give or take one variable's
+      assert h <= state / devices + biggest, (h, state, biggest)
+    assert sum(held) <= state + devices * 64                          # everything once
 
 
-def test_zero_v0_checkpoint_restores_into_the_local_model(tmp_path):
-  """The slots live once, in the user's slot variables: a checkpoint is the local one."""
+@pytest.mark.parametrize("level", ["v0", "v2"])
+def test_zero_checkpoint_restores_into_the_local_model(tmp_path, level):
+  """The slots (and with v2 the weights) live once, in the user's variables: a checkpoint is
+  the local one."""
   run_dir = str(tmp_path / "ckpt")
-  run = train(mlp("adam"), config(2, **{"zero.level": "v0"}))
+  run = train(mlp("adam"), config(2, **{"zero.level": level}))
   g = run.graph
   with g.as_default():
     saver = tf.train.Saver()
@@ -201,3 +213,18 @@ def test_zero_v0_checkpoint_restores_into_the_local_model(tmp_path):
       tf.train.Saver().restore(sess, run_dir)
       for v in tf.global_variables():
         np.testing.assert_allclose(sess.run(v), run.variables[v.op.name], err_msg=v.op.name)
+
+
+@pytest.mark.parametrize("level", ["v0", "v2"])
+def test_zero_with_data_parallel_pipeline_stages(level):
+  """2 replicas of a 2-stage pipeline with 2 micro-batches: each stage's variables are shared
+  by that stage's two devices (owners balanced per stage)."""
+  from epl.testing import assert_parity
+  from tests import models
+  _, dist = assert_parity(
+      models.mlp_two_stages, config(4, **{"zero.level": level, "pipeline.num_micro_batch": 2}),
+      copies=4, optimizer="adam",
+      strategies=[lambda: epl.replicate(1, name="s0"), lambda: epl.replicate(1, name="s1")])
+  owners = dist.parallel.results["zero"].owners
+  for stage in (["dense/kernel", "dense/bias"], ["dense_1/kernel", "dense_2/kernel"]):
+    assert {owners[v] for v in stage} == {0, 1}, owners

@@ -106,7 +106,10 @@ def replicate(ctx):
               for v in analysis.mirrored}
   synced = mirrored
   if plan.memory.zero:       # optimizer slots live once, on their owner (the zero pass)
-    partitioned = slots(mirrored, {g.variable for g in plan.gradients})
+    trained = {g.variable for g in plan.gradients}
+    partitioned = set(slots(mirrored, trained))
+    if plan.memory.zero == "v2":                  # and so do the trained variables
+      partitioned |= trained
     synced = {k: v for k, v in mirrored.items() if k not in partitioned}
   return Replication(copies, _build_sync(ctx, synced), mirrored, weights)
 

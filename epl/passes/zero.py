@@ -1,10 +1,10 @@
-"""ZeRO v0 pass (``zero.level: "v0"``): each data-parallel copy keeps and updates the
-optimizer state of its share of the variables only.
+"""ZeRO pass (``zero.level``): each data-parallel copy keeps and updates the optimizer state
+(v0), and also the weights (v2), of its share of the variables only.
 
 Expects: the replicate clones (the copies' variables; ``replicate`` leaves the slots out of
 the replica sync), the synchronised gradients (``gradient_sync``) and the plan's apply phase.
 For each TaskGraph, its trained variables are given owners among the worker's copies,
-balanced by size (largest first, each to the lightest copy). For a variable v owned by copy j:
+balanced by size within the TaskGraph (largest first, each to the lightest copy). For a variable v owned by copy j:
 
 * v's optimizer slots (``<v>/Momentum``, Adam's ``m`` / ``v``, a hand-written ``<v>/adam_m``)
   exist once: the user's slot variables, placed on copy j's device. Copy j's update reads and
@@ -16,6 +16,13 @@ balanced by size (largest first, each to the lightest copy). For a variable v ow
   that where it waited for its own update (the optimizer's finish op, ``global_step``).
 
 The optimizer's per-step bookkeeping that is not a slot (Adam's beta powers) stays per copy.
+
+v2 (ZeRO stage 3 inside one worker): the trained variable itself exists once too. The user's
+variable, its slots and copy 0's update of it move to the owner's device; every copy and
+micro-batch reads the weight through copy 0's read of it, so TF sends the weight to each device
+that uses it in the step (gathered just in time) and no device holds another's weights between
+steps. The other copies' variable clones are never initialised, and their updates never run
+(what waited for them waits for the one update). Checkpoints are the local script's.
 Returns ``Zero``.
 """
 import dataclasses
@@ -33,10 +40,15 @@ from epl.passes.slots import owner_of, slots, written
 class Zero:
   owners: Dict[str, int] = dataclasses.field(default_factory=dict)  # variable -> owner copy
   slots: Tuple[str, ...] = ()                                       # partitioned slots
+  level: str = ""
 
   def __str__(self):
-    return "Zero(%d variables over their owners, %d slots partitioned)" % (
-        len(self.owners), len(self.slots))
+    return "Zero(%s: %d variables over their owners, %d slots partitioned%s)" % (
+        self.level, len(self.owners), len(self.slots),
+        ", weights too" if self.level == "v2" else "")
+
+
+_CHECKPOINT_OPS = ("Save", "Restore", "MergeV2Checkpoints")
 
 
 def _size(var_op):
@@ -71,7 +83,8 @@ def _stand_in(graph, slot, device):
 
 def zero(ctx):
   """Runs the pass; see the module docstring."""
-  if ctx.plan.memory.zero != "v0":
+  level = ctx.plan.memory.zero
+  if level not in ("v0", "v2"):
     return Zero()
   graph, worker = ctx.graph, ctx.worker
   n = worker.num_copies
@@ -89,15 +102,19 @@ def zero(ctx):
     var = written(op)
     if var is not None and owner_of(var.name, trained) is not None:
       updates.setdefault(owner_of(var.name, trained), []).append(op)
-  loads, owners = [0] * n, {}
+  loads, owners = {}, {}                  # per TaskGraph (a pipeline stage's devices)
   for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
-    j = loads.index(min(loads))
+    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * n)
+    j = stage.index(min(stage))
     owners[name] = j
-    loads[j] += _size(get(name))
+    stage[j] += _size(get(name))
   colocated = {}
   for op in graph.get_operations():
     for group in op.colocation_groups():
       colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
+  if level == "v2":
+    _partition_weights(ctx, owners, updates, partitioned, colocated)
+    return Zero(owners, tuple(sorted(partitioned)), level)
   for name, j in owners.items():
     device = clones.op(j, get(name)).device
     for slot in (s for s, v in partitioned.items() if v == name):
@@ -139,4 +156,51 @@ def zero(ctx):
                     op.name, name, t.consumers()[0].name))
         for waiter in list(compat.control_outputs(op)):
           compat.replace_control_inputs(waiter, {op: copied})
-  return Zero(owners, tuple(sorted(partitioned)))
+  return Zero(owners, tuple(sorted(partitioned)), level)
+
+
+def _partition_weights(ctx, owners, updates, partitioned, colocated):
+  """v2: each trained variable, its slots and its update once, on the owner's device."""
+  graph, clones = ctx.graph, ctx.clones()
+  get = graph.get_operation_by_name
+  step = ctx.result("analyze").cloned_set
+  copies, micro = ctx.worker.num_copies, ctx.plan.num_micro_batch
+  for name, j in owners.items():
+    var = get(name)
+    device = clones.op(j, var).device
+    members = [name] + sorted(s for s, v in partitioned.items() if v == name)
+    for member in members:
+      user = get(member)
+      for op in [user] + user.outputs[0].consumers() + colocated.get(member, []):
+        if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
+          compat.set_device(op, device)
+    for op in updates[name]:
+      compat.set_device(op, device)
+    reads = [op for op in var.outputs[0].consumers()
+             if op in step and op.type in ("Identity", "ReadVariableOp")]
+    for read in reads:                       # every copy and micro-batch reads copy 0's read
+      for c in range(copies):
+        for m in range(micro):
+          clone = clones.op(c, read, m)
+          if clone is None or clone is read:
+            continue
+          for mine, real in zip(clone.outputs, read.outputs):
+            for consumer in list(mine.consumers()):
+              for i, t in enumerate(consumer.inputs):
+                if t is mine:
+                  compat.update_input(consumer, i, real)
+          for waiter in list(compat.control_outputs(clone)):   # the schedule's order
+            compat.replace_control_inputs(waiter, {clone: read})
+    for c in range(1, copies):               # one update: the others' never run
+      for op in updates[name]:
+        mine = clones.op(c, op)
+        if mine is None:
+          continue
+        for t in mine.outputs:
+          if t.consumers():
+            raise NotImplementedYetError(
+                "zero.level v2: the update %s of %s has a data output that %s reads; only "
+                "updates that other ops wait for (control dependencies) are supported" % (
+                    op.name, name, t.consumers()[0].name))
+        for waiter in list(compat.control_outputs(mine)):
+          compat.replace_control_inputs(waiter, {mine: op})

@@ -130,10 +130,10 @@ def _placements(specs, config, cluster):
   if config.zero.level and (has_split or cluster.worker_num > 1 or config.offload.level or
                             config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
-        "zero.level 'v0' is implemented for data parallelism inside one worker, without "
+        "zero.level %r is implemented for data parallelism inside one worker, without "
         "epl.split, offload.level and optimizer.num_apply_group, in this version of epl "
         "(this job: %d worker(s)%s%s%s)" % (
-            cluster.worker_num, ", epl.split" if has_split else "",
+            config.zero.level, cluster.worker_num, ", epl.split" if has_split else "",
             ", offload.level" if config.offload.level else "",
             ", optimizer.num_apply_group" if config.optimizer.num_apply_group > 1 else ""))
   if config.offload.level and has_split:
