@@ -74,7 +74,7 @@ def replicate(ctx):
       weights = tf.placeholder_with_default(tf.ones([pieces]), [pieces], name="epl_row_weights")
   if n == 1:
     mirrored = {v.name: [v] for v in analysis.mirrored}
-    sync_op = _build_sync(ctx, mirrored) if plan.worker_num > 1 else None
+    sync_op = _build_sync(ctx, _synced(plan, mirrored)) if plan.worker_num > 1 else None
     return Replication([{}], sync_op, mirrored, weights)
   cloned = list(analysis.cloned)
   members = set(cloned)
@@ -104,14 +104,19 @@ def replicate(ctx):
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n) if v.name in copies[c]]
               for v in analysis.mirrored}
-  synced = mirrored
-  if plan.memory.zero:       # optimizer slots live once, on their owner (the zero pass)
-    trained = {g.variable for g in plan.gradients}
-    partitioned = set(slots(mirrored, trained))
-    if plan.memory.zero == "v2":                  # and so do the trained variables
-      partitioned |= trained
-    synced = {k: v for k, v in mirrored.items() if k not in partitioned}
-  return Replication(copies, _build_sync(ctx, synced), mirrored, weights)
+  return Replication(copies, _build_sync(ctx, _synced(plan, mirrored)), mirrored, weights)
+
+
+def _synced(plan, mirrored):
+  """The mirrored variables the replica sync copies: not what ZeRO keeps once (optimizer
+  slots; with v2 the trained variables too)."""
+  if not plan.memory.zero:
+    return mirrored
+  trained = {g.variable for g in plan.gradients}
+  partitioned = set(slots(mirrored, trained))
+  if plan.memory.zero == "v2":
+    partitioned |= trained
+  return {k: v for k, v in mirrored.items() if k not in partitioned}
 
 
 def _read(var_op):

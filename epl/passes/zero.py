@@ -33,6 +33,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.errors import NotImplementedYetError
+from epl.op_tables import VARIABLE_OPS
 from epl.passes.slots import owner_of, slots, written
 
 
@@ -86,13 +87,16 @@ def zero(ctx):
   level = ctx.plan.memory.zero
   if level not in ("v0", "v2"):
     return Zero()
-  graph, worker = ctx.graph, ctx.worker
-  n = worker.num_copies
-  if n == 1:
+  graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
+  n, job = worker.num_copies, plan.copies
+  if len(job) < 2:
     return Zero()
+  local = {}                       # a job-wide copy -> its index among its worker's copies
+  for k, copy in enumerate(job):
+    local[k] = sum(1 for other in job[:k] if other.client == copy.client)
   clones = ctx.clones()
   get = graph.get_operation_by_name
-  trained = sorted({g.variable for g in ctx.plan.gradients})
+  trained = sorted({g.variable for g in plan.gradients})
   step = ctx.result("analyze").cloned_set
   mirrored = ctx.result("replicate").mirrored
   partitioned = slots(mirrored, trained)
@@ -102,12 +106,12 @@ def zero(ctx):
     var = written(op)
     if var is not None and owner_of(var.name, trained) is not None:
       updates.setdefault(owner_of(var.name, trained), []).append(op)
-  loads, owners = {}, {}                  # per TaskGraph (a pipeline stage's devices)
+  loads, owners = {}, {}          # owners among the job's copies, per TaskGraph (stage)
   for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
-    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * n)
-    j = stage.index(min(stage))
-    owners[name] = j
-    stage[j] += _size(get(name))
+    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
+    k = stage.index(min(stage))
+    owners[name] = k
+    stage[k] += _size(get(name))
   colocated = {}
   for op in graph.get_operations():
     for group in op.colocation_groups():
@@ -115,11 +119,15 @@ def zero(ctx):
   if level == "v2":
     _partition_weights(ctx, owners, updates, partitioned, colocated)
     return Zero(owners, tuple(sorted(partitioned)), level)
-  for name, j in owners.items():
-    device = clones.op(j, get(name)).device
+  buckets = {}                    # (TaskGraph, dtype, owner worker) -> variables
+  for name, k in owners.items():
+    tg = ctx.owner.get(get(name))
+    here = job[k].client == worker.index
+    j = local[k] if here else None
+    device = clones.op(j, get(name)).device if here else job[k].devices[tg][0]
     for slot in (s for s, v in partitioned.items() if v == name):
       user = get(slot)
-      if j:
+      if j != 0:
         # copy 0's own (never run) update must stay placeable next to copy 0's variable:
         # it gets a stand-in slot that is never initialised
         dead = [op for op in updates[name] if any(t.op is user for t in op.inputs)]
@@ -129,34 +137,96 @@ def zero(ctx):
             for i, t in enumerate(op.inputs):
               if t.op is user:
                 compat.update_input(op, i, stand_in.outputs[0])
+      # the user's slot lives on the owner's device -- another worker's when the owner is
+      # there: every worker's graph then names the one slot (TF finds it by name on that
+      # task), so the chief's checkpoint saves, and every restore sets, the owner's state
       for op in [user] + [c for c in user.outputs[0].consumers()] + colocated.get(slot, []):
-        compat.set_device(op, device)
+        if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
+          compat.set_device(op, device)
       if j:                                      # the owner's ops use the user's slot
         clone = mirrored[slot][j]
         for consumer in list(clone.outputs[0].consumers()):
           for i, t in enumerate(consumer.inputs):
             if t is clone.outputs[0]:
               compat.update_input(consumer, i, user.outputs[0])
+    if plan.worker_num > 1:
+      dtype = tf.as_dtype(get(name).get_attr("dtype")).base_dtype.name
+      buckets.setdefault((tg, dtype, job[k].client), []).append(name)
+    if not here:
+      continue
     owner_var = clones.op(j, get(name))
     owner_updates = [clones.op(j, op) for op in updates[name]]
     for c in range(n):
       if c == j:
         continue
-      mine = [clones.op(c, op) for op in updates[name]]
       var_c = clones.op(c, get(name))
       with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
           tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
         copied = _assign(var_c, _read(owner_var))
-      for op in mine:
-        for t in op.outputs:
-          if t.consumers():
-            raise NotImplementedYetError(
-                "zero.level v0: the update %s of %s has a data output that %s reads; only "
-                "updates that other ops wait for (control dependencies) are supported" % (
-                    op.name, name, t.consumers()[0].name))
-        for waiter in list(compat.control_outputs(op)):
-          compat.replace_control_inputs(waiter, {op: copied})
+      _replace_update(name, [clones.op(c, op) for op in updates[name]], copied)
+  for key in sorted(buckets):
+    _broadcast_bucket(ctx, key, sorted(buckets[key]), owners, local, updates)
   return Zero(owners, tuple(sorted(partitioned)), level)
+
+
+def _replace_update(name, mine, instead):
+  """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``."""
+  for op in mine:
+    if op is None:
+      continue
+    for t in op.outputs:
+      if t.consumers():
+        raise NotImplementedYetError(
+            "zero.level: the update %s of %s has a data output that %s reads; only "
+            "updates that other ops wait for (control dependencies) are supported" % (
+                op.name, name, t.consumers()[0].name))
+    for waiter in list(compat.control_outputs(op)):
+      compat.replace_control_inputs(waiter, {op: instead})
+
+
+def _broadcast_bucket(ctx, key, names, owners, local, updates):
+  """Across workers: the variables one worker owns (of one TaskGraph and dtype), updated,
+  broadcast from it in one fused collective; every other worker assigns them to its copies."""
+  graph, worker, clones = ctx.graph, ctx.worker, ctx.clones()
+  get = graph.get_operation_by_name
+  tg, _, sender = key
+  group, me = worker.client_group(tg)
+  root = list(ctx.plan.clients).index(sender)
+  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
+  if not all(s.is_fully_defined() for s in shapes):
+    raise NotImplementedYetError(
+        "zero.level v0 across workers needs variables of static shape; %s has %s" % next(
+            (v, s) for v, s in zip(names, shapes) if not s.is_fully_defined()))
+  sizes = [s.num_elements() for s in shapes]
+  dtype = tf.as_dtype(get(names[0]).get_attr("dtype")).base_dtype
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.device(group[me]), tf.name_scope("epl_zero"):
+    if worker.index == sender:
+      owner_updates = [clones.op(local[owners[v]], op) for v in names for op in updates[v]]
+      waiters = {w for u in owner_updates for w in compat.control_outputs(u)}
+      with tf.control_dependencies(owner_updates):
+        flat = tf.concat([tf.reshape(_read(clones.op(local[owners[v]], get(v))), [-1])
+                          for v in names], axis=0)
+      sent = ctx.collectives.broadcast(flat, group[me], group, root)
+      for waiter in waiters:                     # the step sends them
+        compat.add_control_inputs(waiter, [sent.op])
+      return
+    # start receiving once this worker's gradients for them are reduced (what its own
+    # update would have read): a receive launched at the start of the step waits for the
+    # sender's update while TF resolves collective instances, and the step stalls
+    ready = [t.op for v in names for op in updates[v] for t in op.inputs
+             if t.op.type not in VARIABLE_OPS]
+    with tf.control_dependencies(ready):
+      received = ctx.collectives.broadcast(tf.zeros([sum(sizes)], dtype), group[me], group,
+                                           root)
+    pieces = tf.split(received, sizes) if len(names) > 1 else [received]
+  for v, piece, shape in zip(names, pieces, shapes):
+    for c in range(worker.num_copies):
+      var_c = clones.op(c, get(v))
+      with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+          tf.device(var_c.device), tf.name_scope("epl_zero"):
+        copied = _assign(var_c, tf.reshape(piece, shape))
+      _replace_update(v, [clones.op(c, op) for op in updates[v]], copied)
 
 
 def _partition_weights(ctx, owners, updates, partitioned, colocated):
@@ -196,11 +266,4 @@ def _partition_weights(ctx, owners, updates, partitioned, colocated):
         mine = clones.op(c, op)
         if mine is None:
           continue
-        for t in mine.outputs:
-          if t.consumers():
-            raise NotImplementedYetError(
-                "zero.level v2: the update %s of %s has a data output that %s reads; only "
-                "updates that other ops wait for (control dependencies) are supported" % (
-                    op.name, name, t.consumers()[0].name))
-        for waiter in list(compat.control_outputs(mine)):
-          compat.replace_control_inputs(waiter, {mine: op})
+        _replace_update(name, [mine], op)

@@ -294,4 +294,6 @@ class WorkerView:
     """Tasks (other than this one) whose devices this worker's copies use."""
     tasks = {worker_of(d) for c in self.copies for devs in c.devices for d in devs
              if "/task:" in d}
+    if self.plan.memory.zero and self.plan.worker_num > 1:
+      tasks |= set(self.plan.clients)      # ZeRO: optimizer slots live on their owner's task
     return sorted(tasks - {self.index})

@@ -40,9 +40,11 @@ def main():
                cluster.gpu_num_per_worker, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config,
                   strategies=[lambda: epl.replicate(1)], initial=initial)
+  zero = res.parallel.results.get("zero") if res.parallel is not None else None
+  owners = sorted((zero.owners if zero is not None else {}).values())
   reduces = [op for op in res.graph.get_operations() if op.type == "CollectiveReduceV2"]
   np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
-           __losses__=np.array(res.losses),
+           __losses__=np.array(res.losses), __zero_owners__=np.array(owners, np.int64),
            __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
            __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
                                        for op in reduces]),
