@@ -84,7 +84,7 @@ class Collectives:
 
   # ---- all-reduce ----------------------------------------------------------------------
   def all_reduce(self, tensors, devices, method, group=None, clients=None, channel=0,
-                 fp16_scale=None):
+                 fp16_scale=None, root=None):
     """Returns one reduced tensor per local input, each on its input's device.
 
     Args:
@@ -99,6 +99,9 @@ class Collectives:
         different channels run independently.
       fp16_scale: across workers, send float16 (the sum multiplied by this first and divided
         back after): half the bytes on the wire. Sums inside a worker stay in the input dtype.
+      root: inside one worker, sum on ``devices[root]`` (zero.level v1: the owner of these
+        gradients), never in chunks; the others' results are reads of it, which TF copies
+        only where a step uses them.
     """
     assert len(tensors) == len(devices) and method in ("mean", "sum")
     group = tuple(group or devices)
@@ -106,10 +109,12 @@ class Collectives:
       return list(tensors)
     workers = _by_worker(group, clients)
     uniform = len({len(ds) for _, ds in workers}) == 1
-    sizes = self._chunk_sizes(tensors[0], len(devices)) if self.chunked and uniform else None
+    sizes = (self._chunk_sizes(tensors[0], len(devices))
+             if self.chunked and uniform and root is None else None)
+    at = devices[root or 0]
     with tf.name_scope("epl_all_reduce"):
       if sizes is None:
-        parts, part_devices = [self._sum(tensors, devices[0])], [devices[0]]
+        parts, part_devices = [self._sum(tensors, at)], [at]
         cross_groups = [tuple(ds[0] for _, ds in workers)]
       else:
         parts, part_devices = self._chunk_sums(tensors, devices, sizes), list(devices)

@@ -55,10 +55,10 @@ KEYS = {k.name: k for k in [
        help="last TaskGraph index gradient checkpointing applies to (-1: all)"),
     _k("gradient_checkpoint.check_gradients", "bool", False,
        help="check in the first training step that recomputed tensors equal forward's"),
-    _k("zero.level", "str", "", ("", "v0", "v1", "v2"), built=("", "v0", "v2"),
+    _k("zero.level", "str", "", ("", "v0", "v1", "v2"), built=("", "v0", "v1", "v2"),
        help="v0: each data-parallel replica keeps and updates the optimizer state of its "
-            "share of the variables; v2: also the weights, sent to the other replicas "
-            "just in time"),
+            "share of the variables; v1: also reduces each gradient on its owner only; v2: "
+            "also the weights, sent to the other replicas just in time"),
     _k("offload.level", "str", "", ("", "v0"),
        help="v0: weights, optimizer slots and the update live on the host CPU"),
     _k("amp.level", "str", "", ("", "O1"),

@@ -54,6 +54,20 @@ def test_unknown_env_key_is_an_error():
                      r"'pipeline.num_micro_batch' \(environment variable "
                      r"EPL_PIPELINE_NUM_MICRO_BATCH\)\?"):
     Config(environ={"EPL_PIPELINE_NUM_MICROBATCH": "2"})
+
+
+
+def _unbuilt_v1(monkeypatch):
+  """Every value of every key is built now: test the refusal with a stand-in that is not."""
+  import dataclasses
+  from epl import config as config_module
+  key = config_module.KEYS["zero.level"]
+  monkeypatch.setitem(config_module.KEYS, "zero.level",
+                      dataclasses.replace(key, built=("", "v0", "v2")))
+
+
+def test_an_env_value_not_built_is_refused_naming_the_variable(monkeypatch):
+  _unbuilt_v1(monkeypatch)
   with pytest.raises(epl.errors.NotImplementedYetError, match=r"'zero.level'='v1' \(from "
                      r"environment variable EPL_ZERO_LEVEL\): .* remove the variable"):
     Config(environ={"EPL_ZERO_LEVEL": "v1"})
@@ -71,7 +85,8 @@ def test_wrong_type_names_key_value_and_expectation():
     Config({"communication.sparse_as_dense": 1}, environ={})
 
 
-def test_not_built_key_is_refused_but_default_is_fine():
+def test_not_built_key_is_refused_but_default_is_fine(monkeypatch):
+  _unbuilt_v1(monkeypatch)
   Config({"zero.level": ""}, environ={})
   with pytest.raises(NotImplementedYetError,
                      match=r"'zero.level'='v1': this feature is not implemented yet"):

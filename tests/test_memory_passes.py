@@ -157,7 +157,7 @@ def test_grouped_apply_lowers_the_peak_of_the_update():
 
 
 # ---- ZeRO v0 / v2 ------------------------------------------------------------------------
-@pytest.mark.parametrize("level", ["v0", "v2"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 @pytest.mark.parametrize("devices,optimizer,micro", [
     (2, "adam", 1), (4, "adam", 1), (2, "hand", 1), (2, "adam", 2)],
     ids=["2 devices", "4 devices", "hand-written Adam", "2 micro-batches (accumulation)"])
@@ -182,7 +182,7 @@ def test_zero_trains_the_local_model_with_a_share_per_device(devices, optimizer,
   assert len(held) == devices
   unit = max(sum(v.nbytes for k, v in local.variables.items() if k in done.slots and
                   k.startswith(var + "/")) for var in done.owners)
-  if level == "v0":
+  if level in ("v0", "v1"):
     for h in held:            # a share: 1/N of the slots, give or take one variable's
       assert weights <= h <= weights + slots / devices + unit, (h, weights, slots, unit)
     assert sum(held) <= devices * weights + slots + devices * 64     # each slot once
@@ -194,7 +194,7 @@ def test_zero_trains_the_local_model_with_a_share_per_device(devices, optimizer,
     assert sum(held) <= state + devices * 64                          # everything once
 
 
-@pytest.mark.parametrize("level", ["v0", "v2"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 def test_zero_checkpoint_restores_into_the_local_model(tmp_path, level):
   """The slots (and with v2 the weights) live once, in the user's variables: a checkpoint is
   the local one."""
@@ -215,7 +215,7 @@ def test_zero_checkpoint_restores_into_the_local_model(tmp_path, level):
         np.testing.assert_allclose(sess.run(v), run.variables[v.op.name], err_msg=v.op.name)
 
 
-@pytest.mark.parametrize("level", ["v0", "v2"])
+@pytest.mark.parametrize("level", ["v0", "v1", "v2"])
 def test_zero_with_data_parallel_pipeline_stages(level):
   """2 replicas of a 2-stage pipeline with 2 micro-batches: each stage's variables are shared
   by that stage's two devices (owners balanced per stage)."""
@@ -228,3 +228,19 @@ def test_zero_with_data_parallel_pipeline_stages(level):
   owners = dist.parallel.results["zero"].owners
   for stage in (["dense/kernel", "dense/bias"], ["dense_1/kernel", "dense_2/kernel"]):
     assert {owners[v] for v in stage} == {0, 1}, owners
+
+
+def test_zero_v1_sums_each_gradient_on_its_owner():
+  local = train(mlp("adam", widths=(32,) * 4))
+  run = train(mlp("adam", widths=(32,) * 4), config(4, **{"zero.level": "v1"}),
+              initial=local.initial)
+  assert_same(run, local)
+  owners = run.parallel.results["zero"].owners
+  sums = [op for op in run.graph.get_operations()
+          if op.name.startswith("epl_grad_sync/epl_all_reduce") and op.type == "AddN"]
+  report = run.parallel.results["gradient_sync"]
+  assert len(sums) == len(report.buckets) and len(set(owners.values())) == 4
+  devices = {op.device for op in sums}
+  assert len(devices) == 4, devices          # not all on the first device (v0's place)
+  for op, bucket in zip(sorted(sums, key=lambda o: o._id), report.buckets):   # built in order
+    assert {owners[v] for v in bucket} == {int(op.device[-1]) - 1}, (op.device, bucket)

@@ -26,6 +26,7 @@ import tensorflow.compat.v1 as tf
 
 from epl.errors import NotImplementedYetError, PlanError
 from epl.passes.clone import rewire
+from epl.passes.zero import assign_owners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,17 +191,22 @@ def _rewire_all(clones, item, new):
 # ---- across copies ------------------------------------------------------------------------
 def _reduce(ctx, items, report):
   dense, plan = {}, ctx.plan
+  # zero.level v1 (inside one worker): each gradient is summed on its owner's device, the
+  # only copy whose update reads it
+  owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" else {}
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
       _gather_sparse(ctx, item, report)
       continue
     dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
-    dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name), []).append(item)
-  for (tg, part, _), group in sorted(dense.items()):
+    dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name,
+                      owners.get(item.variable, -1)), []).append(item)
+  for (tg, part, _, owner), group in sorted(dense.items()):
     if len(plan.group_of(tg, part)) == 1:
       continue                         # one replica of a split TaskGraph: nothing to reduce
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
-      _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators)
+      _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
+                     root=None if owner < 0 else owner)
 
 
 def _buckets(items, max_splits):
@@ -219,7 +225,7 @@ def _buckets(items, max_splits):
   return out
 
 
-def _reduce_bucket(ctx, tg, part, bucket, report, channel):
+def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
   worker, plan = ctx.worker, ctx.plan
   copies = bucket[0].copies
   devices = [worker.device_of(c, tg, part) for c in copies]
@@ -235,7 +241,7 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel):
   reduced = ctx.collectives.all_reduce(flats, devices, comm.reduce_method,
                                        group=plan.group_of(tg, part),
                                        clients=plan.clients_of(tg, part), channel=channel,
-                                       fp16_scale=compress)
+                                       fp16_scale=compress, root=root)
   report.collective_ops.extend(r.op for r in reduced)
   news = []
   for c, device in enumerate(devices):

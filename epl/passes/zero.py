@@ -82,10 +82,33 @@ def _stand_in(graph, slot, device):
     return tf.raw_ops.VariableV2(shape=shape, dtype=dtype.base_dtype).op
 
 
+def assign_owners(ctx):
+  """({trained variable: owner copy, job-wide}, {trained variable: its update ops (copy 0)}):
+  per TaskGraph (a stage's devices), largest variable first, each to the lightest copy.
+  Deterministic: every worker, and the gradient sync (zero.level v1), find the same."""
+  graph, job = ctx.graph, ctx.plan.copies
+  get = graph.get_operation_by_name
+  trained = sorted({g.variable for g in ctx.plan.gradients})
+  step = ctx.result("analyze").cloned_set
+  apply_ops = [op for op, phase in ctx.phase.items() if phase == "apply" and op in step]
+  updates = {}
+  for op in sorted(apply_ops, key=compat.op_id):
+    var = written(op)
+    if var is not None and owner_of(var.name, trained) is not None:
+      updates.setdefault(owner_of(var.name, trained), []).append(op)
+  loads, owners = {}, {}
+  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
+    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
+    k = stage.index(min(stage))
+    owners[name] = k
+    stage[k] += _size(get(name))
+  return owners, updates
+
+
 def zero(ctx):
   """Runs the pass; see the module docstring."""
   level = ctx.plan.memory.zero
-  if level not in ("v0", "v2"):
+  if level not in ("v0", "v1", "v2"):
     return Zero()
   graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
   n, job = worker.num_copies, plan.copies
@@ -97,21 +120,9 @@ def zero(ctx):
   clones = ctx.clones()
   get = graph.get_operation_by_name
   trained = sorted({g.variable for g in plan.gradients})
-  step = ctx.result("analyze").cloned_set
   mirrored = ctx.result("replicate").mirrored
   partitioned = slots(mirrored, trained)
-  apply_ops = [op for op, phase in ctx.phase.items() if phase == "apply" and op in step]
-  updates = {}                                   # trained variable -> its update ops (copy 0)
-  for op in apply_ops:
-    var = written(op)
-    if var is not None and owner_of(var.name, trained) is not None:
-      updates.setdefault(owner_of(var.name, trained), []).append(op)
-  loads, owners = {}, {}          # owners among the job's copies, per TaskGraph (stage)
-  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
-    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
-    k = stage.index(min(stage))
-    owners[name] = k
-    stage[k] += _size(get(name))
+  owners, updates = assign_owners(ctx)
   colocated = {}
   for op in graph.get_operations():
     for group in op.colocation_groups():
