@@ -13,7 +13,7 @@
 
 Memory is epl.memory.measure (variables = bytes the variables hold on the device; step peak =
 the traced peak of one step's allocations on it) and, for checkpointing, the process peak.
-  zero         zero.level v0 and v2 vs none: the MLP with Adam, data parallel on 2 and 4
+  zero         zero.level v0, v1 and v2 vs none: the MLP with Adam, data parallel on 2 and 4
                devices: the variables each device holds (v0: weights + its share of the
                slots; v2: its share of both), the traced step peak, the step time
 
@@ -230,7 +230,8 @@ def main():
   print("\nZeRO, data parallel, Adam (weights + 2 slots per weight)")
   for devices in (2, 4):
     base_t, base = run(args, devices, {}, "adam")
-    for level, ideal in (("v0", (1 + 2.0 / devices) / 3), ("v2", 1.0 / devices)):
+    for level, ideal in (("v0", (1 + 2.0 / devices) / 3), ("v1", (1 + 2.0 / devices) / 3),
+                         ("v2", 1.0 / devices)):
       zero_t, zero = run(args, devices, {"zero.level": level}, "adam")
       held, held_zero = ([r.held(d) for d in _devices(r)] for r in (base, zero))
       print("  %s, %d devices: variables per device %.1f MiB -> max %.1f MiB (ratio %.2f; "
