@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,8 +36,7 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 
 tf.disable_v2_behavior()
 
-import epl  # noqa: E402
-from memory import residual_mlp, transformer  # noqa: E402  (bench/memory.py)
+from memory import residual_mlp, train_and_measure, transformer  # noqa: E402  (bench/memory.py)
 
 MiB = 1024.0 ** 2
 CONFIGS = {"float32": {}, "O1 float16": {"amp.level": "O1"},
@@ -54,32 +52,12 @@ def _models(blocks):
 
 def child(model, config, steps, blocks):
   body, batch = _models(blocks)[model]
-  graph = tf.Graph()
-  with graph.as_default():
-    tf.set_random_seed(0)
-    epl.init(epl.Config(dict(CONFIGS[config], **{"log.level": "warning",
-                                                 "log.progress_secs": 0})))
-    x = tf.placeholder(tf.float32, [batch, 64])
-    y = tf.placeholder(tf.int64, [batch])
-    with epl.replicate(1, name="model"):
-      logits = tf.layers.dense(body(x), 10, name="logits")
-      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
-    train = tf.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
-    rng = np.random.RandomState(0)
-    feed = {x: rng.randn(batch, 64).astype(np.float32), y: rng.randint(0, 10, batch)}
-    with tf.Session() as sess:
-      sess.run(tf.global_variables_initializer())
-      losses = [float(sess.run([loss, train], feed)[0])]
-      tf.config.experimental.reset_memory_stats("CPU:0")
-      start = time.perf_counter()
-      for _ in range(steps):
-        losses.append(float(sess.run([loss, train], feed)[0]))
-      seconds = (time.perf_counter() - start) / steps
-      peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-      traced = max(epl.memory.measure(sess, train, feed).peaks.values())
-      scale = [v for v in tf.global_variables() if v.op.name == "epl_amp/loss_scale"]
-      scale = float(sess.run(scale[0])) if scale else None
-  print(json.dumps(dict(peak=peak, traced=traced, step=seconds, losses=losses, scale=scale)))
+
+  def scale(sess):
+    found = [v for v in tf.global_variables() if v.op.name == "epl_amp/loss_scale"]
+    return {"scale": float(sess.run(found[0])) if found else None}
+  print(json.dumps(train_and_measure(body, batch, CONFIGS[config], steps, rows=batch,
+                                     extra=scale)))
 
 
 def main():

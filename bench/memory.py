@@ -138,16 +138,16 @@ MODELS = {"residual MLP (12 x 1024, batch 512)": (residual_mlp, 512),
           "transformer (12 layers, 128 x 256, batch 32)": (transformer, 32)}
 
 
-def checkpoint_child(model, kind, steps):
-  """One run in this process: prints {"peak", "traced", "step", "losses"} as JSON."""
-  body, batch = MODELS[model]
+def train_and_measure(body, batch, keys, steps, rows=None, extra=None):
+  """Trains ``body`` (x -> features) with a 10-class head in this process under epl with
+  ``keys``; returns {"peak", "traced", "step", "losses"} (+ ``extra(sess)``'s items): the
+  allocator peak over ``steps`` timed steps, the traced step peak, seconds per step."""
   graph = tf.Graph()
   with graph.as_default():
     tf.set_random_seed(0)
-    epl.init(epl.Config({"gradient_checkpoint.type": kind, "log.level": "warning",
-                         "log.progress_secs": 0}))
-    x = tf.placeholder(tf.float32, [None, 64])
-    y = tf.placeholder(tf.int64, [None])
+    epl.init(epl.Config(dict(keys, **{"log.level": "warning", "log.progress_secs": 0})))
+    x = tf.placeholder(tf.float32, [rows, 64])
+    y = tf.placeholder(tf.int64, [rows])
     with epl.replicate(1, name="model"):
       logits = tf.layers.dense(body(x), 10, name="logits")
       loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
@@ -164,7 +164,15 @@ def checkpoint_child(model, kind, steps):
       seconds = (time.perf_counter() - start) / steps
       peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
       traced = max(epl.memory.measure(sess, train, feed).peaks.values())
-  print(json.dumps(dict(peak=peak, traced=traced, step=seconds, losses=losses)))
+      out = dict(peak=peak, traced=traced, step=seconds, losses=losses)
+      out.update(extra(sess) if extra else {})
+  return out
+
+
+def checkpoint_child(model, kind, steps):
+  """One run in this process: prints {"peak", "traced", "step", "losses"} as JSON."""
+  body, batch = MODELS[model]
+  print(json.dumps(train_and_measure(body, batch, {"gradient_checkpoint.type": kind}, steps)))
 
 
 def checkpointing(steps):
