@@ -155,7 +155,9 @@ def drive(cases, seconds, interval, as_json):
         json.loads(l) for l in out.splitlines() if l.startswith("{") and '"sample"' in l]
     problems = judge(samples)
     if proc.returncode != 0:
-      problems.insert(0, "exited with code %s: %s" % (proc.returncode, err.strip()[-1500:]))
+      errors = [l for l in err.splitlines() if "Error" in l and not l.startswith(" ")]
+      problems.insert(0, "exited with code %s: %s\n%s" % (
+          proc.returncode, "\n".join(errors[-4:]), err.strip()[-1500:]))
     report[name] = {"samples": samples, "problems": problems}
   if as_json:
     print(json.dumps(report))
