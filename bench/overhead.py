@@ -4,7 +4,7 @@ a host -> device hop with one device.
   python bench/overhead.py [--repeats 31] [--steps 200] [--sizes 2500,5000,10500]
 
 (a) an MLP fed by a dataset iterator, with a ~0.5 ms step (the quick-start model, batch 10)
-    and a ~10 ms step (3 x 512 wide, batch 256): epl with one replica (``replicate(1)`` on one
+    and a ~10 ms step (3 x 512 wide, batch 448): epl with one replica (``replicate(1)`` on one
     device) vs the plain TF script; medians of interleaved repeats of ``--steps`` steps each.
     Target: ratio <= 1.02.
 (b) a BERT-base-like stack of dense + layer-norm blocks trained with Adam, rewritten into 4
@@ -32,7 +32,7 @@ tf.disable_v2_behavior()
 
 
 SIZES = {"~0.5 ms": dict(batch=10, widths=(2,), features=20),
-         "~10 ms": dict(batch=256, widths=(512, 512, 512), features=512)}
+         "~10 ms": dict(batch=448, widths=(512, 512, 512), features=512)}
 
 
 def quickstart_session(use_epl, size="~0.5 ms", model_device=None, progress=True):

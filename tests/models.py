@@ -60,6 +60,21 @@ def cond_model(x, y, stages):
   return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
 
 
+def control_flow_two_stages(x, y, stages):
+  """Stage 0: a tf.cond on a variable (one branch dead every step); stage 1: a v1 while
+  loop -- control flow in both pipeline stages."""
+  with stages(0):
+    h = tf.layers.dense(x, 8, name="in")
+    gate = tf.get_variable("gate", [], initializer=tf.constant_initializer(0.5))
+    h = tf.cond(gate > 0, lambda: tf.nn.relu(h) * gate, lambda: tf.tanh(h) - gate)
+  with stages(1):
+    w = tf.get_variable("w_loop", [8, 8], initializer=tf.glorot_uniform_initializer())
+    _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                         [tf.constant(0), h])
+    logits = tf.layers.dense(h, 4, name="out")
+  return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+
+
 def embedding(x, y, stages):
   """Sparse (IndexedSlices) gradients through an embedding lookup."""
   with stages(0):

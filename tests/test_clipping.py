@@ -69,17 +69,57 @@ def _clip_per_half_then_average(x, y):
   return opt.apply_gradients(zip(mean, variables)), halves[0], norm
 
 
+def _scaled_script(x, y):
+  """Gradient scaling before the clip, and the norm logged as a summary (BERT-style)."""
+  loss = _mlp(x, y)
+  opt = tf.train.MomentumOptimizer(0.5, 0.9)
+  grads, variables = zip(*opt.compute_gradients(loss))
+  grads = [g * 3.0 for g in grads]
+  clipped, norm = tf.clip_by_global_norm(grads, CLIP)
+  tf.summary.scalar("gradient_norm", norm)
+  return opt.apply_gradients(zip(clipped, variables)), loss, norm
+
+
+@pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("after", [True, False])
-def test_clipping_matches_its_local_reference(after):
+def test_clipping_matches_its_local_reference(after, micro):
+  # 2 copies; with micro=2 each copy accumulates 2 micro-batches before the sync (and, with
+  # after=False, before its own clip: the copy's gradient is what it clips)
   data = models.regression_data(2 * BATCH * STEPS)
   start, local, local_norms = _train(_user_script if after else _clip_per_half_then_average,
                                      data)
-  config = epl.Config({"cluster.devices_per_worker": 2,
+  config = epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": micro,
                        "communication.clip_after_allreduce": after})
   _, dist, dist_norms = _train(_user_script, data, config, initial=start)
   assert min(local_norms) > CLIP                   # clipping is active in every step
   for name, value in local.items():
     np.testing.assert_allclose(dist[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  if after:                                        # the norm a script logs is the local one
+    np.testing.assert_allclose(dist_norms, local_norms, rtol=1e-5)
+
+
+def test_scaling_and_a_logged_norm_between_the_gradients_and_the_optimizer():
+  data = models.regression_data(2 * BATCH * STEPS)
+  start, local, local_norms = _train(_scaled_script, data)
+  _, dist, dist_norms = _train(_scaled_script, data,
+                               epl.Config({"cluster.devices_per_worker": 2}), initial=start)
+  for name, value in local.items():
+    np.testing.assert_allclose(dist[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  np.testing.assert_allclose(dist_norms, local_norms, rtol=1e-5)
+
+
+def test_clipping_per_copy_needs_the_optimizers_own_apply_gradients():
+  from tests.real_scripts import bert_like
+  with tf.Graph().as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2,
+                         "communication.clip_after_allreduce": False}))
+    epl.set_default_strategy(epl.replicate(1))
+    t = bert_like.build(2)
+    with pytest.raises(epl.EplError, match=r"communication.clip_after_allreduce=False "
+                       r"all-reduces the gradients handed to apply_gradients, but the "
+                       r"optimizer of .* overrides apply_gradients.*keep the default \(True\)"):
+      with tf.Session() as sess:
+        sess.run(t["train_op"])
 
 
 def test_the_two_ways_train_different_models():

@@ -75,6 +75,28 @@ def test_a_killed_peer_ends_every_survivor_without_the_launcher(tmp_path, count)
         p.kill()
 
 
+def test_a_stalled_peer_ends_the_job_at_the_step_deadline(tmp_path):
+  # A stopped process still accepts connections (the kernel answers for it), so the peer
+  # watch cannot see it: the step deadline (communication.collective_timeout, put on every
+  # step as RunOptions.timeout_in_ms) is what must end the survivor.
+  procs = _start_workers(tmp_path, 2, extra_env={"EPL_COMMUNICATION_COLLECTIVE_TIMEOUT": "8"})
+  try:
+    _wait_for_steps(procs)
+    stopped_at = time.time()
+    procs[1].send_signal(signal.SIGSTOP)
+    _, err = procs[0].communicate(timeout=90)
+    assert time.time() - stopped_at < 40, "the survivor outlived the step deadline"
+    assert procs[0].returncode != 0
+    assert "epl worker 0 stops: a step did not finish within " \
+        "communication.collective_timeout=8 s: a peer is stalled" in err, err[-3000:]
+    assert len(err.splitlines()) < 100, err[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGCONT)
+        p.kill()
+
+
 def test_a_serving_worker_that_loses_its_client_stops_with_an_error(tmp_path):
   procs = _start_workers(tmp_path, 2, extra=["pipeline"])   # worker 1 only serves stage 1
   try:
@@ -119,7 +141,7 @@ def test_a_serving_worker_ends_cleanly_when_its_client_finishes(tmp_path):
 
 def test_a_duplicate_address_in_tf_config_is_refused_before_any_server_starts(tmp_path):
   port = free_ports(1)[0]
-  env = dict(ENV, TF_CONFIG=json.dumps({
+  env = dict(ENV, TF_CPP_MIN_LOG_LEVEL="0", TF_CONFIG=json.dumps({   # TF's INFO lines shown
       "cluster": {"worker": ["localhost:%d" % port, "127.0.0.1:%d" % port]},
       "task": {"type": "worker", "index": 0}}))
   start = time.time()
@@ -129,7 +151,7 @@ def test_a_duplicate_address_in_tf_config_is_refused_before_any_server_starts(tm
   assert out.returncode != 0 and time.time() - start < 30
   assert "TF_CONFIG names one server twice: task 0 'localhost:%d' and task 1 " \
       "'127.0.0.1:%d' are the same address" % (port, port) in out.stderr, out.stderr[-2000:]
-  assert "Started server" not in out.stderr
+  assert "Started server" not in out.stderr and "grpc_server_lib" not in out.stderr
 
 
 def _launch(args, **kwargs):
@@ -193,3 +215,15 @@ def test_the_peer_watch_ends_only_a_long_step_that_waits_on_a_lost_peer():
     while not exits and time.time() < deadline:
       time.sleep(0.05)
   assert exits == [1]
+
+
+def test_every_step_gets_the_collective_deadline_and_keeps_the_users_options():
+  import tensorflow.compat.v1 as tf
+  from epl.runtime.hooks import step_deadline
+  assert step_deadline(None, 8).timeout_in_ms == 8000
+  traced = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE, timeout_in_ms=60000)
+  merged = step_deadline(traced, 8)
+  assert merged.timeout_in_ms == 8000 and merged.trace_level == tf.RunOptions.FULL_TRACE
+  assert traced.timeout_in_ms == 60000               # the user's object is not changed
+  shorter = tf.RunOptions(timeout_in_ms=2000)
+  assert step_deadline(shorter, 8) is shorter        # a tighter deadline the user set stays

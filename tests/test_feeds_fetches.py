@@ -46,14 +46,15 @@ def _pair(devices=2, fixed=None, local_fixed=None, micro=1):
   return (ls, lt, lv), (ds, dt, dv)
 
 
-def test_a_training_run_returns_every_row_of_batch_major_fetches():
-  (ls, lt, _), (ds, dt, _) = _pair()
-  x, y = models.regression_data(4)
+@pytest.mark.parametrize("devices,micro", [(2, 1), (1, 4), (2, 2)])
+def test_a_training_run_returns_every_row_of_batch_major_fetches(devices, micro):
+  (ls, lt, _), (ds, dt, _) = _pair(devices, micro=micro)
+  x, y = models.regression_data(8)          # every copy's and micro-batch's rows, in order
   local = ls.run([lt["predictions"], lt["per_example"], lt["loss"]],
                  {lt["x"]: x, lt["y"]: y})
   dist = ds.run([dt["predictions"], dt["per_example"], dt["loss"], dt["train"]],
                 {dt["x"]: x, dt["y"]: y})
-  np.testing.assert_array_equal(dist[0], local[0])        # 4 rows in, 4 predictions out
+  np.testing.assert_array_equal(dist[0], local[0])        # 8 rows in, 8 predictions out
   np.testing.assert_allclose(dist[1], local[1], rtol=1e-5)
   assert dist[2] == pytest.approx(local[2], rel=1e-5)      # scalar float: the mean
   assert ds.run(dt["step"]) == 1                           # an int: copy 0's (one step)
@@ -79,9 +80,11 @@ def test_evaluation_takes_any_batch_size_and_scores_every_row():
     assert dist[1] == pytest.approx(local[1], rel=1e-6)
 
 
-def test_a_fixed_size_placeholder_is_one_copys_batch():
-  (ls, lt, lv), (ds, dt, dv) = _pair(fixed=3, local_fixed=6)
-  x, y = models.regression_data(6)                         # 2 copies x 3 rows
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_fixed_size_placeholder_is_one_copys_batch(micro):
+  rows = 2 * micro * 3
+  (ls, lt, lv), (ds, dt, dv) = _pair(fixed=3, local_fixed=rows, micro=micro)
+  x, y = models.regression_data(rows)                      # 2 copies x micro x 3 rows
   for sess, t in ((ls, lt), (ds, dt)):
     sess.run(t["train"], {t["x"]: x, t["y"]: y})
   for name in lv:
@@ -90,6 +93,6 @@ def test_a_fixed_size_placeholder_is_one_copys_batch():
   assert ds.run(dt["predictions"], {dt["x"]: x[:3]}).shape == (3,)
   with pytest.raises(epl.EplError, match=r"the batch fed to 'x' has 4 rows; 'x' takes 3 rows "
                      r"per model copy, and a training run feeds this worker's 2 model copies x "
-                     r"1 micro-batch\(es\): feed 6 rows \(or 3 for a run that updates "
-                     r"nothing\)"):
+                     r"%d micro-batch\(es\): feed %d rows \(or 3 for a run that updates "
+                     r"nothing\)" % (micro, rows)):
     ds.run(dt["train"], {dt["x"]: np.ones([4, 8]), dt["y"]: np.ones([4], np.int64)})

@@ -75,7 +75,7 @@ def assert_same(run, local):
                              [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
   assert run.variables["global_step"] == len(local.fetched)    # one update per step
   for name, value in local.variables.items():
-    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-6,
+    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-5,
                                err_msg=name)
 
 

@@ -98,3 +98,15 @@ def test_a_step_does_not_run_forward_ops_its_gradients_do_not_need():
       sess.run(tf.global_variables_initializer())
       sess.run(train)                                    # no feed needed
       assert sess.run(above, {threshold: 0.0}) == 1.0
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+@pytest.mark.parametrize("fetch_loss", [True, False])
+def test_cond_and_while_loops_with_micro_batches(micro, fetch_loss):
+  # Schedule dependencies attach outside cond branches and loop frames: the dead branch of
+  # one micro-batch must not reach the next one, whether the step fetches the loss or only
+  # train_op (a wrong update, not an error, was the failure of the latter).
+  assert_parity(models.cond_model, cfg(1, micro), copies=micro, fetch_loss=fetch_loss)
+  assert_parity(models.while_v1, cfg(1, micro), copies=micro, fetch_loss=fetch_loss)
+  assert_parity(models.control_flow_two_stages, cfg(2, micro), copies=micro,
+                strategies=stages(2), fetch_loss=fetch_loss)

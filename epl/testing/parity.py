@@ -48,7 +48,8 @@ def _make_optimizer(name, lr):
 
 
 def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimizer="momentum",
-              lr=0.01, initial=None, seed=7, feed=False, default_strategy=None):
+              lr=0.01, initial=None, seed=7, feed=False, default_strategy=None,
+              fetch_loss=True):
   """Builds and trains ``model_fn`` once; epl is used when ``config`` is given.
 
   Args:
@@ -58,6 +59,8 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     strategies: list of zero-arg callables returning epl scopes (one per stage), or None.
     feed: feed batches through placeholders instead of a dataset (epl splits them).
     initial: {var name: value} loaded after initialisation.
+    fetch_loss: False runs only ``train_op`` each step (no loss recorded), as scripts that
+      log every N steps do.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -96,6 +99,9 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
           fd = {x: features[lo:lo + batch], y: labels[lo:lo + batch]}
         else:
           fd = None
+        if not fetch_loss:
+          sess.run(train_op, fd)
+          continue
         value, _ = sess.run([loss, train_op], fd)
         losses.append(float(value))
       final = {v.op.name: sess.run(v) for v in variables}
@@ -105,7 +111,7 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
 
 def assert_parity(model_fn, config, copies, batch=4, steps=5, rtol=1e-5, data=None,
                   local_lr=None, strategies=None, optimizer="momentum", lr=0.01, feed=False,
-                  default_strategy=None, check_loss=True, skip_variable=None):
+                  default_strategy=None, check_loss=True, skip_variable=None, fetch_loss=True):
   """Trains locally with batch ``copies * batch`` and under epl with ``batch``; compares.
 
   Returns:
@@ -123,8 +129,8 @@ def assert_parity(model_fn, config, copies, batch=4, steps=5, rtol=1e-5, data=No
     strategies = [lambda: epl.replicate(1)] * 4
   dist = run_model(model_fn, data, batch if not feed else copies * batch, steps, config=config,
                    strategies=strategies, optimizer=optimizer, lr=lr, initial=local.initial,
-                   feed=feed, default_strategy=default_strategy)
-  if check_loss:
+                   feed=feed, default_strategy=default_strategy, fetch_loss=fetch_loss)
+  if check_loss and fetch_loss:
     _close("loss per step", np.array(dist.losses), np.array(local.losses), rtol)
   assert set(dist.variables) == set(local.variables), (
       sorted(set(dist.variables) ^ set(local.variables)))
