@@ -160,6 +160,9 @@ class Recorder:
     self.shard_ops = {}        # op name -> shard (variable parts)
     self.sharded = {}          # whole tensor -> epl.sharding.sharded.Sharded
     self.sharded_shapes = {}   # tf.shape of a sharded value -> its Sharded
+    self.exchange_axes = {}    # op name -> batch axis of the values it exchanges between the
+                               # copies and the split parts (MoE all-to-all: the copies' expert
+                               # slices, the concatenation of the parts' outputs)
 
   def _new_spec(self, strategy, location):
     spec = TaskGraphSpec(len(self.specs), strategy.kind, strategy.device_count,

@@ -197,29 +197,31 @@ class Collectives:
       return out
 
   # ---- between a model replica's copies and its split parts (inside one client) -------------
-  def gather_rows(self, tensors, device):
-    """The concatenation (dimension 0) of the replica's copies' ``tensors`` on ``device``:
-    the gather into a split part (TF's send/recv moves each copy's rows)."""
+  def gather_rows(self, tensors, device, axis=0):
+    """The concatenation (along the batch ``axis``) of the replica's copies' ``tensors`` on
+    ``device``: the gather into a split part (TF's send/recv moves each copy's rows). With
+    each copy's expert slice for this part as ``tensors`` it is this part's half of an
+    all-to-all (MoE dispatch)."""
     with tf.name_scope("epl_gather_rows"), tf.device(device):
-      return tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)
+      return tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=axis)
 
   def reduce_to(self, tensors, device):
     """The sum of ``tensors`` on ``device`` (the copies' gradients of a value read whole)."""
     with tf.name_scope("epl_reduce_to"), tf.device(device):
       return tensors[0] if len(tensors) == 1 else tf.add_n(list(tensors))
 
-  def rows_of(self, value, counts, j, k):
-    """Copy j's rows of a replica-wide batch-major ``value``, cut on ``value``'s device (only
-    those rows travel): ``counts`` the copies' row counts (tensors), None for k even parts."""
+  def rows_of(self, value, counts, j, k, axis=0):
+    """Copy j's rows (along the batch ``axis``) of a replica-wide batch-major ``value``, cut
+    on ``value``'s device (only those rows travel): ``counts`` the copies' row counts
+    (tensors), None for k even parts. Of a part's expert outputs it is the part's half of an
+    all-to-all (MoE combine)."""
     with tf.name_scope("epl_rows_of"), tf.device(value.device):
       if counts is None:
-        return tf.split(value, k, axis=0)[j]
+        return tf.split(value, k, axis=axis)[j]
       start = tf.add_n(counts[:j]) if j else 0
       rank = value.shape.rank
-      begin = tf.concat([[start], tf.zeros([rank - 1], tf.int32)], 0) if rank > 1 else \
-          tf.reshape(start, [1])
-      size = tf.concat([[counts[j]], -tf.ones([rank - 1], tf.int32)], 0) if rank > 1 else \
-          tf.reshape(counts[j], [1])
+      begin = tf.one_hot(axis, rank, on_value=start, off_value=0, dtype=tf.int32)
+      size = tf.one_hot(axis, rank, on_value=counts[j], off_value=-1, dtype=tf.int32)
       return tf.slice(value, begin, size)
 
   # ---- broadcast -----------------------------------------------------------------------

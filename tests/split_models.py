@@ -41,7 +41,8 @@ def classifier(classes, trunk, head, dense="layers"):
                                bias_initializer=tf.random_normal_initializer(seed=4),
                                name="classifier")
     loss = tf.losses.sparse_softmax_cross_entropy(labels, logits)
-    correct = tf.equal(tf.argmax(logits, axis=1), labels)
+    predictions = tf.argmax(logits, axis=1)
+    correct = tf.equal(predictions, labels)
     accuracy = tf.reduce_mean(tf.cast(correct, tf.float32), name="accuracy")
   opt = tf.train.MomentumOptimizer(0.5, momentum=0.9)
   grads_and_vars = opt.compute_gradients(loss)
@@ -50,7 +51,7 @@ def classifier(classes, trunk, head, dense="layers"):
   train_op = opt.apply_gradients(zip(grads, variables),
                                  global_step=tf.train.get_or_create_global_step())
   return dict(inputs=(images, labels), loss=loss, accuracy=accuracy, logits=logits,
-              train_op=train_op)
+              predictions=predictions, train_op=train_op)
 
 
 def classification_data(rows, classes, seed=0):
@@ -102,15 +103,22 @@ def moe_layer(x, combine, dispatch, experts):
   return tf.einsum("gsec,egcm->gsm", combine, expert_outputs)
 
 
-def moe_model(experts, capacity, trunk, experts_scope):
-  """Tokens -> dense -> MoE FFN (residual) -> regression loss + GShard's auxiliary loss."""
+def moe_model(experts, capacity, trunk, experts_scope, gate_in_experts=False):
+  """Tokens -> dense -> MoE FFN (residual) -> regression loss + GShard's auxiliary loss.
+
+  The gate runs in the trunk (the copies' own tokens: dispatch and combine are an
+  all-to-all), or with ``gate_in_experts`` inside the split scope (computed per part).
+  """
   tokens = tf.placeholder(tf.float32, [None, TOKENS, MODEL], name="tokens")
   target = tf.placeholder(tf.float32, [None, TOKENS, MODEL], name="target")
   with trunk():
     x = tf.layers.dense(tokens, MODEL, activation=tf.nn.tanh, kernel_initializer=_init(5),
                         name="embed")
-    combine, dispatch, aux = top2_gate(x, experts, capacity)
+    if not gate_in_experts:
+      combine, dispatch, aux = top2_gate(x, experts, capacity)
   with experts_scope():
+    if gate_in_experts:
+      combine, dispatch, aux = top2_gate(x, experts, capacity)
     moe = moe_layer(x, combine, dispatch, experts)
   with trunk():
     y = x + moe

@@ -13,6 +13,12 @@ For every crossing and local replica:
 * out of it (``scatter``): copy j reads its own rows of a batch-major value, sliced on the
   producing device (only those rows travel), or the whole value otherwise.
 
+The rows are along the crossing's batch axis: 0 for activations (all-gather in, split batch
+out), the tokens' axis of MoE expert slices (each copy cut its dispatched tokens per part,
+each part gathers its slices; each copy reads its tokens of every part's output: the
+all-to-all of epl.sharding.experts). Each crossing carries the collective
+epl.plan.placement.TRANSITIONS names for it, and ``BUILDERS`` maps that name to its builder.
+
 Gradients crossing back are scaled so that the job trains the local model: with
 ``gradients_reduce_method: mean`` the copies' gradients are averaged, so a copy's share of a
 batch-major gradient is multiplied by k and a gradient gathered from the copies is divided by
@@ -66,7 +72,7 @@ def bridge(ctx):
   if not plan.crossings or k == 1:
     return Bridges([])
   analysis, clones = ctx.result("analyze"), ctx.clones()
-  cloned, sources = analysis.cloned_set, set(analysis.sources)
+  cloned = analysis.cloned_set
   leads = [c for c in range(worker.num_copies) if worker.copies[c].shard == 0]
   crossings = [x for x in plan.crossings
                if graph.get_tensor_by_name(x.tensor).op in cloned and
@@ -76,49 +82,89 @@ def bridge(ctx):
       tf.name_scope("epl_bridge"):
     rows = {lead: _rows(clones, graph, crossings, lead, k) for lead in leads}
     for x in crossings:
-      tensor = graph.get_tensor_by_name(x.tensor)
-      consumer = graph.get_operation_by_name(x.consumer)
-      factor = _scale(plan, x, k)
+      build = BUILDERS[(x.collective, x.gather)]
       for lead in leads:
-        members = list(range(lead, lead + k))
-        values = [clones.tensor(c, tensor) for c in members]
-        if x.gather and tensor.op in sources:
-          # an iterator's batch: the replica's first copy pulls the whole replica batch and
-          # splits it k ways (``replicate``); the split part reads the unsplit batch
-          user = clones.op(lead, consumer)
-          whole = values[0]
-          _retarget(user, {i for i in user.inputs
-                           if i.op.type == "Split" and i.op.inputs[1] is whole}, whole)
-          built.append(("gather", x.tensor, whole))
-          continue
-        if x.gather:
-          user = clones.op(lead, consumer)
-          key = (x.tensor, lead, user.device, factor)
-          if key not in cache:
-            if x.batch_major:
-              new = coll.gather_rows(values, user.device)
-            else:
-              new = coll.reduce_to(values, user.device) if x.backward else values[0]
-            with tf.device(user.device):
-              cache[key] = _scaled(new, factor)
-            built.append(("gather", x.tensor, cache[key]))
-          _retarget(user, {values[0]}, cache[key])
-          continue
-        source = values[0]                   # the split part runs in the replica's first copy
-        for j, c in enumerate(members):
-          user = clones.op(c, consumer)
-          key = (x.tensor, c, factor)
-          if key not in cache:
-            piece = coll.rows_of(source, rows[lead], j, k) if x.batch_major else source
-            with tf.device(source.device):
-              cache[key] = _scaled(piece, factor)
-            built.append(("scatter", x.tensor, cache[key]))
-          _retarget(user, {tensor, source}, cache[key])
+        build(_Site(ctx, coll, clones, graph, x, lead, k, rows[lead]), built, cache)
   return Bridges(built)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """One crossing in one model replica (copies ``lead`` .. ``lead + k - 1``)."""
+  ctx: object
+  coll: object
+  clones: object
+  graph: tf.Graph
+  x: object
+  lead: int
+  k: int
+  rows: object
+
+  @property
+  def tensor(self):
+    return self.graph.get_tensor_by_name(self.x.tensor)
+
+  @property
+  def consumer(self):
+    return self.graph.get_operation_by_name(self.x.consumer)
+
+  def values(self):
+    return [self.clones.tensor(c, self.tensor) for c in range(self.lead, self.lead + self.k)]
+
+
+def _gather(site, built, cache):
+  """Into a split part: the copies' rows concatenated along the batch axis (all-gather of
+  activations, all-to-all of expert slices), copy 0's value, or the copies' gradient sum."""
+  x, coll = site.x, site.coll
+  factor = _scale(site.ctx.plan, x, site.k)
+  values = site.values()
+  user = site.clones.op(site.lead, site.consumer)
+  if site.tensor.op in set(site.ctx.result("analyze").sources):
+    # an iterator's batch: the replica's first copy pulls the whole replica batch and
+    # splits it k ways (``replicate``); the split part reads the unsplit batch
+    whole = values[0]
+    _retarget(user, {i for i in user.inputs
+                     if i.op.type == "Split" and i.op.inputs[1] is whole}, whole)
+    built.append(("gather", x.tensor, whole))
+    return
+  key = (x.tensor, site.lead, user.device, factor)
+  if key not in cache:
+    if x.batch_major:
+      new = coll.gather_rows(values, user.device, x.axis)
+    else:
+      new = coll.reduce_to(values, user.device) if x.backward else values[0]
+    with tf.device(user.device):
+      cache[key] = _scaled(new, factor)
+    built.append(("gather", x.tensor, cache[key]))
+  _retarget(user, {values[0]}, cache[key])
+
+
+def _scatter(site, built, cache):
+  """Out of a split part: copy j reads its own rows (cut on the part's device: only they
+  travel), or the whole value."""
+  x = site.x
+  factor = _scale(site.ctx.plan, x, site.k)
+  source = site.values()[0]             # the split part runs in the replica's first copy
+  for j, c in enumerate(range(site.lead, site.lead + site.k)):
+    user = site.clones.op(c, site.consumer)
+    key = (x.tensor, c, factor)
+    if key not in cache:
+      piece = site.coll.rows_of(source, site.rows, j, site.k, x.axis) if x.batch_major else \
+          source
+      with tf.device(source.device):
+        cache[key] = _scaled(piece, factor)
+      built.append(("scatter", x.tensor, cache[key]))
+    _retarget(user, {site.tensor, source}, cache[key])
+
+
+# (collective of epl.plan.placement.TRANSITIONS, into the split part?) -> builder
+BUILDERS = {("all_gather", True): _gather, ("all_to_all", True): _gather,
+            ("reduce_scatter", False): _scatter, ("split_batch", False): _scatter,
+            ("all_to_all", False): _scatter}
+
+
 def _rows(clones, graph, crossings, lead, k):
-  """The row count of each copy of the replica: from the first batch-major tensor gathered
+  """The batch size of each copy of the replica: from the first batch-major tensor gathered
   into a split TaskGraph (None: the copies split the rows evenly)."""
   first = next((x for x in crossings if x.gather and x.batch_major and not x.backward), None)
   if first is None:
@@ -128,5 +174,5 @@ def _rows(clones, graph, crossings, lead, k):
   for c in range(lead, lead + k):
     value = clones.tensor(c, tensor)
     with tf.device(value.device):
-      counts.append(tf.shape(value)[0])
+      counts.append(tf.shape(value)[first.axis])
   return counts

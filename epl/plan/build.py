@@ -74,7 +74,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   if split_tgs:
     split_facts.check_rules(ops, rank, owner, phase, recorder, split_tgs, specs)
     parts = split_facts.assign_parts(ops, rank, owner, phase, recorder, split_tgs)
-    crossings = split_facts.crossings(ops, owner, phase, kinds, specs)
+    crossings = split_facts.crossings(ops, owner, phase, kinds, specs, placements,
+                                      recorder.exchange_axes)
   colocate = config.cluster.colocate_split_and_replicate
   copies = _layout(placements, colocate, cluster)
   schedule = make_schedule(config.pipeline.strategy, len(tgs), config.pipeline.num_micro_batch)

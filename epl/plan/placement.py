@@ -49,16 +49,22 @@ class Bridge:
   backward: str         # what their gradients go through on the way back
 
 
-# (source kind, destination kind) -> Bridge. Same-kind replicated TaskGraphs exchange
-# activations by TF's own send/recv (pipeline stages); nothing is inserted.
+# (source kind, destination kind, layout) -> Bridge; layout "rows": a value whose batch is
+# its rows, "experts": a value cut along the experts in the copies and along the batch in the
+# split parts (MoE dispatch / combine, epl.sharding.experts). Same-kind replicated TaskGraphs
+# exchange activations by TF's own send/recv (pipeline stages); nothing is inserted.
+# epl.plan.split.crossings labels every crossing from this table; epl.passes.bridge builds
+# each label with its collective.
 TRANSITIONS = {
-    ("replicate", "replicate"): Bridge("send_recv", "send_recv"),
-    ("replicate", "split"): Bridge("all_gather", "reduce_scatter"),
-    ("split", "replicate"): Bridge("split_batch", "all_gather"),
-    ("split", "split"): Bridge("all_to_all", "all_to_all"),
+    ("replicate", "replicate", "rows"): Bridge("send_recv", "send_recv"),
+    ("replicate", "split", "rows"): Bridge("all_gather", "reduce_scatter"),
+    ("split", "replicate", "rows"): Bridge("split_batch", "all_gather"),
+    ("replicate", "split", "experts"): Bridge("all_to_all", "all_to_all"),
+    ("split", "replicate", "experts"): Bridge("all_to_all", "all_to_all"),
+    ("split", "split", "rows"): Bridge("all_to_all", "all_to_all"),
 }
 
 
-def bridge(source, destination):
+def bridge(source, destination, layout="rows"):
   """The Bridge between two placements (KeyError names the unsupported pair)."""
-  return TRANSITIONS[(source.kind, destination.kind)]
+  return TRANSITIONS[(source.kind, destination.kind, layout)]

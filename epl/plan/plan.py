@@ -86,11 +86,14 @@ class Crossing:
   gather: bool
   batch_major: bool
   backward: bool
+  axis: int = 0             # the batch axis of a batch-major value (1 for MoE expert slices)
+  collective: str = ""      # what carries it (epl.plan.placement.TRANSITIONS)
 
   def __str__(self):
-    return "%s %s -> %s (%s%s)" % (
-        "gather" if self.gather else "scatter", self.tensor, self.consumer,
-        "rows" if self.batch_major else "whole", ", gradient" if self.backward else "")
+    return "%s %s -> %s (%s%s%s)" % (
+        self.collective or ("gather" if self.gather else "scatter"), self.tensor, self.consumer,
+        ("rows" if not self.axis else "batch axis %d" % self.axis) if self.batch_major else
+        "whole", ", gradient" if self.backward else "", "" if self.gather else ", out")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from epl import _tf_compat as compat
 from epl.errors import PlanError
 from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
                            VARIABLE_OPS)
+from epl.plan.placement import bridge
 from epl.plan.plan import Crossing
 from epl.sharding.rules import SUPPORTED
 
@@ -106,9 +107,20 @@ def batch_major(tensor, batch_inputs, within):
   return any(b in upstream and b.shape.dims[0].value == dim for b in batch_inputs)
 
 
-def crossings(ops, owner, phase, kinds, specs):
+def _exchange_axis(tensor, consumer, exchange_axes):
+  """The batch axis of a value the MoE all-to-all exchanges (``Recorder.exchange_axes``): its
+  producer or consumer is an exchange op, or (a gradient) is colocated with one; else None."""
+  for op in (tensor.op, consumer):
+    for name in [op.name] + list(_colocated_with(op)):
+      if name in exchange_axes:
+        return exchange_axes[name]
+  return None
+
+
+def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
   """Every tensor that flows between a replicated and a split TaskGraph in the forward or
-  backward pass (the update reads every copy's synchronised values as they are)."""
+  backward pass (the update reads every copy's synchronised values as they are), labelled
+  with the collective epl.plan.placement.TRANSITIONS names for it."""
   within = set(ops)
   inputs = _batch_inputs(ops)
   out = []
@@ -130,8 +142,15 @@ def crossings(ops, owner, phase, kinds, specs):
             "cannot use a %s TaskGraph's variables; create the variable in the TaskGraph "
             "that uses it" % (variable.name, specs[src].name, op.name, specs[dst].name,
                               kinds[dst], kinds[src]))
+      backward = phase[t.op] != "forward"
+      axis = _exchange_axis(t, op, exchange_axes)
+      layout = "rows" if axis is None else "experts"
+      # a gradient goes back through the adjoint of the forward bridge
+      carrier = bridge(placements[dst], placements[src], layout).backward if backward else \
+          bridge(placements[src], placements[dst], layout).forward
       out.append(Crossing(t.name, op.name, src, dst, kinds[dst] == "split",
-                          batch_major(t, inputs, within), phase[t.op] != "forward"))
+                          axis is not None or batch_major(t, inputs, within), backward,
+                          axis or 0, carrier))
   return tuple(out)
 
 

@@ -3,11 +3,14 @@
 ``epl.init`` makes one ``Dispatcher`` for the ``GraphState`` it creates and installs it; the
 dispatcher reads only that state (no global lookups).
 """
+import bisect
+import functools
 import logging
 import weakref
 
 import tensorflow.compat.v1 as tf
 
+from epl import _tf_compat as compat
 from epl import annotate
 from epl.errors import RuntimeStateError
 from epl.sharding.sharded import SplitScope
@@ -77,7 +80,8 @@ class Dispatcher:
     scope = self._split_scopes.get(index)
     if scope is None:
       count = recorder.specs[index].device_count or self.state.cluster.total_gpu_num
-      scope = self._split_scopes[index] = SplitScope(count, recorder, index)
+      scope = self._split_scopes[index] = SplitScope(count, recorder, index,
+                                                     functools.partial(_rank_of, graph))
     return scope
 
   def on_gradients(self, graph, xs, grads):
@@ -199,6 +203,12 @@ class Dispatcher:
     if writes and sync is not None:
       original(session, sync, options=options)
     return result
+
+
+def _rank_of(graph, op):
+  """The creation rank of ``op`` (1 for the first op): the positions the Recorder uses."""
+  ids = sorted(compat.op_id(o) for o in graph.get_operations())
+  return bisect.bisect_left(ids, compat.op_id(op)) + 1
 
 
 def variable_op_of(x):

@@ -32,11 +32,12 @@ SoftmaxCrossEntropyWithLogits               the same with the labels sliced per 
 ArgMax over the sharded axis (tf.argmax,    per shard max and argmax (+ the shard's offset),
   accuracy)                                 then the shard holding the first global maximum
 Einsum (MoE: expert weights ``[E, ...]``)   the index of the sharded operand's sharded axis
-                                            splits every operand that carries it (an operand
-                                            made by an einsum -- the dispatch -- is itself
-                                            computed per shard); the output stays sharded
-                                            when it keeps the index, else the shards' results
-                                            are summed (the combine)
+                                            splits every operand that carries it; the output
+                                            stays sharded when it keeps the index. Dispatch
+                                            and combine of the model copies' own tokens are
+                                            an all-to-all (epl.sharding.experts); otherwise
+                                            an operand made by an einsum is computed per
+                                            shard and the shards' results are summed
 =========================================  ===============================================
 
 An op built inside a split scope that reads a sharded value and has no rule here (or whose
@@ -46,7 +47,7 @@ list. Adding a rule is one row in ``RULES`` and one test.
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.sharding import losses
+from epl.sharding import experts, losses
 from epl.sharding.sharded import (axis_from_end, cut, enter_rule, exit_rule, part_name,
                                   part_sizes, per_part, slices)
 
@@ -227,6 +228,9 @@ def _einsum_operand(scope, tensor, spec, letter, sharded):
     return list(mine.parts) if mine.axis == axis and mine.sizes == sharded.sizes else None
   made = tensor.op
   if made.type == "Einsum" and tensor.shape.rank is not None:
+    exchanged = experts.dispatch(scope, tensor, axis, sharded)
+    if exchanged is not None:            # the copies' dispatch, sent to the parts: all-to-all
+      return exchanged
     # computed per shard: only the shard's slice is ever made (MoE dispatch)
     equation = made.get_attr("equation").decode()
     specs, out_spec = equation.replace(" ", "").split("->")
@@ -256,6 +260,10 @@ def einsum(scope, op_type, build, kw, name):
     return None
   k, sharded = found[0]
   letter = specs[k][sharded.axis]
+  if letter not in out_spec and len(found) == 1:
+    combined = experts.combine(scope, build, kw, specs, k, sharded)
+    if combined is not None:             # the parts' outputs back to the copies: all-to-all
+      return combined
   operands = []
   for spec, tensor in zip(specs, inputs):
     if letter not in spec:

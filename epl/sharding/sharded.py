@@ -65,10 +65,11 @@ _active = threading.local()
 class SplitScope:
   """The open split scope: its shard count and where its rules record what they build."""
 
-  def __init__(self, shards, recorder, taskgraph=None):
+  def __init__(self, shards, recorder, taskgraph=None, rank_of=None):
     self.n = shards
     self.recorder = recorder
     self.taskgraph = taskgraph      # the split TaskGraph's index
+    self.rank_of = rank_of          # op -> its creation rank (the recorder's positions)
 
   @contextlib.contextmanager
   def shard(self, index):
