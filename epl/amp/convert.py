@@ -26,7 +26,7 @@ from tensorflow.core.framework import types_pb2
 
 from epl import _tf_compat as compat
 from epl.amp.lists import kind as list_kind
-from epl.passes.clone import clone_ops
+from epl.passes.clone import clone_ops, rewire
 
 log = logging.getLogger("epl")
 PREFIX = "epl_amp"
@@ -164,7 +164,7 @@ def convert(graph, ops, phase, recorder, low, debug=False):
         if not outside:
           continue
         substitutes[out] = _back(new, op, twins)
-        _rewire(out, substitutes[out], outside)
+        rewire(out, substitutes[out], outside)
       for user in list(compat.control_outputs(op)):
         compat.replace_control_inputs(user, {op: twin})
   _repoint_gradients(graph, recorder, chosen, clones, substitutes, twins)
@@ -183,13 +183,6 @@ def _back(low_tensor, op, twins):
         PREFIX, op.name, low_tensor.value_index))
   twins[cast.op.name] = op.name
   return cast
-
-
-def _rewire(old, new, consumers):
-  for consumer in consumers:
-    for i, t in enumerate(consumer.inputs):
-      if t is old:
-        compat.update_input(consumer, i, new)
 
 
 def _repoint_gradients(graph, recorder, chosen, clones, substitutes, twins):
