@@ -174,6 +174,7 @@ def test_the_console_shows_every_worker_prefixed_and_no_startup_noise(tmp_path):
   for rank in (0, 1):
     assert "[%d] Iteration 10 , Loss:" % rank in out.stdout
   assert "[0] [epl w0] plan: 2 worker(s)" in out.stdout
+  assert "[epl w1] plan:" not in out.stdout          # the summary once, from worker 0
   for noise in ("cuInit", "oneDNN", "absl::InitializeLog", "is deprecated"):
     assert noise not in out.stdout, noise
   assert "cuInit" in (tmp_path / "logs" / "worker_0.log").read_text()  # the log keeps it all
