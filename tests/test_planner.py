@@ -402,6 +402,24 @@ def test_never_slower_than_pure_data_parallelism(name, pbs, gbs, devices, model)
 
 
 @needs_profiles
+def test_accept_keeps_the_plan_to_what_the_runtime_runs():
+  # epl runs equal stages (one device per stage and model replica, the replicas data
+  # parallel): among those, the planner still picks by cost, never below pure DP
+  path = shipped("vgg-19-pbs-32")
+  free = plan_pipeline(path, 32, 2048, "8,16")
+  assert len(set(free.replicas)) > 1                          # 15:1 when unconstrained
+  seen = []
+
+  def equal(counts):
+    seen.append(counts)
+    return len(set(counts)) == 1 and counts[0] * len(counts) == 16
+  plan = plan_pipeline(path, 32, 2048, "8,16", accept=equal)
+  assert seen and len(set(plan.replicas)) == 1
+  assert plan.replicas[0] * len(plan.stages) == 16
+  assert plan.speedup >= plan.data_parallel_speedup * (1 - 1e-9)
+  assert plan.speedup <= free.speedup * (1 + 1e-9)
+
+
 def test_vgg19_on_two_servers_is_dapples_15_to_1():
   path = shipped("vgg-19-pbs-32")
   plan = plan_pipeline(path, 32, 2048, "8,16")

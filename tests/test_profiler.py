@@ -113,6 +113,13 @@ def test_auto_parallel_mistakes_are_clear_errors():
       sm.train(_blocks(), data, 1, 16, config=config)
 
 
+def test_the_planner_is_asked_only_for_plans_epl_runs():
+  from epl.runtime.auto_stages import runnable
+  accept = runnable(4)
+  assert accept((4,)) and accept((2, 2)) and accept((1, 1, 1, 1))
+  assert not accept((3, 1)) and not accept((1, 1, 1)) and not accept((2, 1, 1))
+
+
 def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
   from tests import split_models as sm
   data = sm.classification_data(3 * 16, 10)

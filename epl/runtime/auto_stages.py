@@ -64,13 +64,20 @@ def annotate_stages(state):
       for a, b in stages))
 
 
+def runnable(total_devices):
+  """The planner's ``accept`` for what epl runs: every stage on one device per model replica
+  (``replicate(device_count=1)`` stages), the replicas data parallel over the rest -- so
+  every stage has the same device count and the stage count divides the job's devices."""
+  def accept(counts):
+    return len(set(counts)) == 1 and total_devices % len(counts) == 0 and \
+        counts[0] * len(counts) == total_devices
+  return accept
+
+
 def _planner_stages(profile, state):
   """The stage count ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
-  ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches).
-
-  epl runs every stage on the same number of devices, so a plan whose stages have different
-  replica counts (DAPPLE's 15:1) is run with its stage count, balanced by cost; the log says so.
-  """
+  ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
+  among the plans epl runs (``runnable``: DAPPLE's 15:1 replica counts are not among them)."""
   from epl.plan.auto import DeviceSpec, plan_pipeline
   cluster, config = state.cluster, state.config
   per_worker, workers = cluster.gpu_num_per_worker, cluster.worker_num
@@ -78,14 +85,11 @@ def _planner_stages(profile, state):
   micro = config.pipeline.num_micro_batch
   replicas = per_worker * workers
   plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                       cost_model="simulate")
+                       cost_model="simulate", accept=runnable(replicas))
   k = len(plan.stages)
-  counts = {len(s.devices) for s in plan.stages}
   log.info("auto.auto_parallel: the planner chose %d stage(s) (%s; predicted speedup %.2f, "
-           "pure data parallelism %.2f)%s", k, ", ".join(str(s) for s in plan.stages),
-           plan.speedup, plan.data_parallel_speedup,
-           "" if len(counts) == 1 else "; epl runs every stage on as many devices, so the "
-           "layers are rebalanced by cost over %d equal stages" % k)
+           "pure data parallelism %.2f)", k, ", ".join(str(s) for s in plan.stages),
+           plan.speedup, plan.data_parallel_speedup)
   return k
 
 

@@ -66,7 +66,7 @@ class _Candidate:
 
 
 def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, speeds=None,
-                  parameter_factor=4.0, schedule="1f1b", progress=None):
+                  parameter_factor=4.0, schedule="1f1b", progress=None, accept=None):
   """Plans a pipeline for ``profile`` trained at global batch ``gbs`` on ``devices``.
 
   Args:
@@ -82,6 +82,9 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
     progress: optional ``callable(phase, done, total, detail)``, called as each step of
       ``PHASES`` starts ("states", "search", "local search", "re-scoring") and once with
       "done" when the plan is ready.
+    accept: optional ``callable(device_counts) -> bool`` over a plan's per-stage device
+      counts: only plans it accepts (and pure data parallelism) are returned -- what a runtime
+      can execute, e.g. epl's equal device count per stage.
   Returns:
     ``PipelinePlan`` -- never predicted slower than pure data parallelism on the same model.
   Raises:
@@ -102,6 +105,9 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
   found = [pure]
   _search(w, model, found, report)
   _polish(w, model, found, report)
+  if accept is not None:
+    found[:] = [c for c in found
+                if c is pure or accept(tuple(len(devices) for _, _, devices in c.placed))]
   best = _final(w, model, found, pure, report)
   plan = _to_plan(w, model, best, pure.estimate)
   report("done", 1, 1, str(best))
