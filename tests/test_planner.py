@@ -346,13 +346,13 @@ def test_memory_limit_around_the_leanest_plan():
 
 
 @needs_profiles
-def test_a_tight_memory_limit_is_respected_and_changes_the_plan():
+def test_a_tight_memory_limit_is_respected_and_forces_more_stages():
   name = shipped("bert-48-pbs-2")
   free = plan_pipeline(name, 2, 64, "2x4")
   limit = 0.8 * max(free.peak_memory_per_device)
   tight = plan_pipeline(name, 2, 64, "2x4", memory=limit)
   assert max(tight.peak_memory_per_device) <= limit < max(free.peak_memory_per_device)
-  assert tight.stages != free.stages
+  assert len(tight.stages) > len(free.stages)       # less memory per device: more stages
   assert tight.predicted_iteration_s >= free.predicted_iteration_s * (1 - 1e-12)
   # Far below: even the parameters spread over all 8 devices do not fit.
   states = build_states(Profile.load(name))
