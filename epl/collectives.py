@@ -18,6 +18,8 @@ builds its own participants' part):
   TF collective (ring on CPU, NCCL on GPU) runs among one device per worker (one per chunk on
   GPUs), then every local participant reads the result. Cross-worker sessions run on
   ``tf.train.Server`` targets, whose master cleans the collective state of every step.
+  ``reduce_scatter`` (zero.level v1) is NCCL's on GPUs and, as TF has none for CPUs, an
+  all-to-all of the workers' chunks and a local sum there.
 
 No op carries TF's per-op ``timeout``: TF implements it with one detached thread per launch that
 sleeps for the whole timeout (``Env::SchedClosureAfter``), so 1,000 steps/s with a 300 s timeout
@@ -33,13 +35,13 @@ Example:
 import logging
 
 import tensorflow.compat.v1 as tf
-from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import collective_ops, gen_collective_ops
 
 from epl.cluster import worker_of
 
 log = logging.getLogger("epl")
 
-def _by_worker(group, clients=None):
+def by_worker(group, clients=None):
   """[(worker, the devices it builds, in group order)], workers in group order.
 
   ``clients[i]`` is the worker whose session drives ``group[i]`` (default: the worker that
@@ -107,7 +109,7 @@ class Collectives:
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    workers = _by_worker(group, clients)
+    workers = by_worker(group, clients)
     uniform = len({len(ds) for _, ds in workers}) == 1
     sizes = (self._chunk_sizes(tensors[0], len(devices))
              if self.chunked and uniform and root is None else None)
@@ -174,6 +176,43 @@ class Collectives:
         summed = tf.cast(summed, tensor.dtype) / tf.cast(fp16_scale, tensor.dtype)
       return summed
 
+  # ---- reduce-scatter across workers ---------------------------------------------------
+  def reduce_scatter(self, tensors, devices, method, group, clients=None, fp16_scale=None):
+    """This worker's chunk of the job-wide sum: ``tensors`` (this worker's participants,
+    flat, the same length) hold one equal chunk per worker of ``group`` in worker order;
+    the result, on ``devices[0]``, is the sum over every participant of this worker's chunk.
+
+    Inside a worker the participants are summed in-graph; across workers TF 2.21 has a
+    collective reduce-scatter only for NCCL, so on CPUs it is an all-to-all of the chunks
+    (each worker receives every other's chunk for it) and a local sum: the same bytes on the
+    wire as a reduce-scatter, none of the chunks the worker does not own. zero.level v1
+    across workers uses it: each worker receives only its own variables' gradients.
+    """
+    workers = by_worker(tuple(group), clients)
+    count = len(workers)
+    at = devices[0]
+    with tf.name_scope("epl_reduce_scatter"), tf.device(at):
+      total = self._sum(tensors, at)
+      wire = total
+      if fp16_scale is not None:
+        wire = tf.cast(total * tf.cast(fp16_scale, total.dtype), tf.float16)
+      leaders = tuple(ds[0] for _, ds in workers)
+      key, instance = self.group_key(leaders), self._instance()
+      if self.hint == "nccl":
+        mine = tf.cast(gen_collective_ops.collective_reduce_scatter_v2(
+            wire, group_size=count, group_key=key, instance_key=instance, ordering_token=[],
+            merge_op="Add", final_op="Id", communication_hint="nccl"), total.dtype)
+      else:
+        chunks = collective_ops.all_to_all_v2(
+            tf.reshape(wire, [count, -1]), group_size=count, group_key=key,
+            instance_key=instance, communication_hint="auto")
+        mine = tf.reduce_sum(tf.cast(chunks, total.dtype), axis=0)
+      if fp16_scale is not None:
+        mine = mine / tf.cast(fp16_scale, total.dtype)
+      if method == "mean":
+        mine = mine * tf.cast(1.0 / len(group), mine.dtype)
+      return mine
+
   # ---- all-gather ----------------------------------------------------------------------
   def all_gather(self, tensors, devices, group=None, clients=None):
     """Concatenates the participants' tensors along dimension 0 (group order), on every
@@ -181,7 +220,7 @@ class Collectives:
     group = tuple(group or devices)
     if len(group) == 1:
       return list(tensors)
-    workers = _by_worker(group, clients)
+    workers = by_worker(group, clients)
     with tf.name_scope("epl_all_gather"):
       with tf.device(devices[0]):
         gathered = tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)

@@ -244,3 +244,25 @@ def test_zero_v1_sums_each_gradient_on_its_owner():
   assert len(devices) == 4, devices          # not all on the first device (v0's place)
   for op, bucket in zip(sorted(sums, key=lambda o: o._id), report.buckets):   # built in order
     assert {owners[v] for v in bucket} == {int(op.device[-1]) - 1}, (op.device, bucket)
+
+
+@pytest.mark.parametrize("keys,workers,refused", [
+    ({"zero.level": "v2"}, 2, r"this job: 2 worker\(s\)\)"),
+    ({"zero.level": "v0", "offload.level": "v0"}, 1, r"this job: 1 worker\(s\), offload"),
+    ({"zero.level": "v1", "optimizer.num_apply_group": 2}, 1,
+     r"this job: 1 worker\(s\), optimizer.num_apply_group"),
+])
+def test_zero_combinations_not_built_are_refused_before_the_rewrite(keys, workers, refused):
+  from epl.cluster import Cluster
+  from epl.errors import NotImplementedYetError
+  from epl.plan.build import build_plan
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(config(1, **keys))
+    _mlp("adam", (8,), 4, FEATURES, True)
+    state = epl.Env.get()._state
+    cluster = Cluster(tuple("h%d:1" % w for w in range(workers)), 0, 1, False)
+    with pytest.raises(NotImplementedYetError, match=r"zero.level .* is implemented for data "
+                       r"parallelism \(v0, v1: on one or several workers; v2: inside one "
+                       r"worker\).*" + refused):
+      build_plan(g, state.recorder, state.config, cluster)

@@ -47,17 +47,21 @@ COMMUNICATION = {"EPL_COMMUNICATION_FP16": "true", "EPL_COMMUNICATION_NUM_COMMUN
 
 AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
 ZERO = {"EPL_ZERO_LEVEL": "v0", "EPL_LOG_LEVEL": "debug"}
+ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
+ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 
 
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
-    (2, 1, ZERO), (2, 2, ZERO)],
+    (2, 1, ZERO), (2, 2, ZERO), (2, 1, ZERO_V1), (2, 2, ZERO_V1), (2, 2, ZERO_V1_ACCUMULATE)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
-         "2x1 zero v0", "2x2 zero v0"])
+         "2x1 zero v0", "2x2 zero v0", "2x1 zero v1", "2x2 zero v1",
+         "2x2 zero v1 with 2 micro-batches"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
-  global_batch = workers * devices * batch
+  micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
+  global_batch = workers * devices * batch * micro
   rng = np.random.RandomState(1)
   x = rng.randn(steps * global_batch, 8).astype(np.float32)
   y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
@@ -74,9 +78,13 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
       for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
         assert result in log, log[-3000:]
-  if env is ZERO:            # the slots are shared out over all the job's copies
+  if env in (ZERO, ZERO_V1, ZERO_V1_ACCUMULATE):   # slots shared out over the job's copies
     for r in results:
       assert sorted(set(r["__zero_owners__"])) == list(range(workers * devices))
+  if env in (ZERO_V1, ZERO_V1_ACCUMULATE):   # gradients reach their owners by a reduce-scatter
+    # (an all-to-all of the owners' chunks on CPU)
+    for r in results:
+      assert r["__exchanges__"] >= 1 and len(r["__reduce_dtypes__"]) == 0, r
   if env is AMP:
     for w in range(workers):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()

@@ -19,11 +19,12 @@ all-gathered (values and indices), or densified first with ``sparse_as_dense``. 
 ``SyncReport`` (which bucket carries each variable).
 """
 import dataclasses
-from typing import List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from epl.collectives import by_worker
 from epl.errors import NotImplementedYetError, PlanError
 from epl.passes.clone import rewire
 from epl.passes.zero import assign_owners
@@ -34,6 +35,8 @@ class SyncReport:
   buckets: List[List[str]]            # variable names per dense bucket
   gathered: List[str]                 # variables whose sparse gradients were all-gathered
   collective_ops: List[tf.Operation]
+  # zero.level v1 across workers: (TaskGraph, dtype) -> the op of this worker's reduced chunk
+  exchanged: Dict[Tuple[int, str], tf.Operation] = dataclasses.field(default_factory=dict)
 
   def variables(self):
     return [v for b in self.buckets for v in b] + list(self.gathered)
@@ -191,19 +194,23 @@ def _rewire_all(clones, item, new):
 # ---- across copies ------------------------------------------------------------------------
 def _reduce(ctx, items, report):
   dense, plan = {}, ctx.plan
-  # zero.level v1 (inside one worker): each gradient is summed on its owner's device, the
-  # only copy whose update reads it
+  # zero.level v1: each gradient is summed where its owner is, the only copy whose update
+  # reads it -- inside one worker on the owner's device, across workers by a reduce-scatter
   owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" else {}
+  scatter = bool(owners) and plan.worker_num > 1
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
       _gather_sparse(ctx, item, report)
       continue
     dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
     dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name,
-                      owners.get(item.variable, -1)), []).append(item)
+                      -1 if scatter else owners.get(item.variable, -1)), []).append(item)
   for (tg, part, _, owner), group in sorted(dense.items()):
     if len(plan.group_of(tg, part)) == 1:
       continue                         # one replica of a split TaskGraph: nothing to reduce
+    if scatter:
+      _scatter_to_owners(ctx, tg, part, group, owners, report)
+      continue
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
@@ -258,6 +265,55 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
     else:
       _rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
   report.buckets.append([item.variable for item in bucket])
+
+
+def _scatter_to_owners(ctx, tg, part, items, owners, report):
+  """zero.level v1 across workers: one reduce-scatter of the (TaskGraph, dtype) gradients,
+  laid out by owner worker (each worker's chunk: the gradients its copies own, padded to the
+  longest chunk); each owner copy's update reads its gradients from this worker's chunk."""
+  worker, plan = ctx.worker, ctx.plan
+  group, clients = plan.group_of(tg, part), plan.clients_of(tg, part)
+  order = [w for w, _ in by_worker(group, clients)]
+  job = plan.copies
+  local = {k: sum(1 for other in job[:k] if other.client == job[k].client)
+           for k in range(len(job))}
+  unknown = [i.variable for i in items if i.size is None]
+  if unknown:
+    raise NotImplementedYetError(
+        "zero.level v1 across workers needs gradients of static shape; %s has none" %
+        unknown[0])
+  mine = {w: [i for i in items if job[owners[i.variable]].client == w] for w in order}
+  length = max(sum(i.size for i in owned) for owned in mine.values())
+  copies = items[0].copies
+  devices = [worker.device_of(c, tg, part) for c in copies]
+  flats = []
+  for c, device in enumerate(devices):
+    with tf.device(device):
+      chunks = []
+      for w in order:
+        flat = [tf.reshape(tf.convert_to_tensor(i.per_copy[c]), [-1]) for i in mine[w]]
+        pad = length - sum(i.size for i in mine[w])
+        if pad:
+          flat.append(tf.zeros([pad], items[0].per_copy[c].dtype))
+        chunks.extend(flat)
+      flats.append(tf.concat(chunks, axis=0))
+  comm = plan.communication
+  compress = comm.fp16_scale if comm.fp16 and flats[0].dtype == tf.float32 else None
+  reduced = ctx.collectives.reduce_scatter(flats, devices, comm.reduce_method, group,
+                                           clients, fp16_scale=compress)
+  report.collective_ops.append(reduced.op)
+  report.exchanged[(tg, flats[0].dtype.base_dtype.name)] = reduced.op
+  owned = mine[worker.index]
+  if owned:
+    with tf.device(reduced.device):
+      pieces = tf.split(reduced, [i.size for i in owned] + [length - sum(
+          i.size for i in owned)])[:len(owned)]
+    for item, piece in zip(owned, pieces):
+      index = copies.index(local[owners[item.variable]])
+      new = list(item.first)
+      new[index] = tf.reshape(piece, item.first[index].shape)
+      _rewire_all(ctx.clones(), item, new)
+  report.buckets.append([item.variable for item in items])
 
 
 def _rewire_sparse_as_dense(clones, index, c, item, dense_new):

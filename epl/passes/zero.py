@@ -227,6 +227,9 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
     # sender's update while TF resolves collective instances, and the step stalls
     ready = [t.op for v in names for op in updates[v] for t in op.inputs
              if t.op.type not in VARIABLE_OPS]
+    exchanged = ctx.result("gradient_sync").exchanged.get((tg, key[1]))
+    if exchanged is not None:         # v1: this worker's share of the reduce-scatter is done
+      ready.append(exchanged)
     with tf.control_dependencies(ready):
       received = ctx.collectives.broadcast(tf.zeros([sum(sizes)], dtype), group[me], group,
                                            root)

@@ -37,7 +37,7 @@ def main():
   cluster = epl.cluster.Cluster.from_environment(
       config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
   data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
-               cluster.gpu_num_per_worker, batch, steps)
+               cluster.gpu_num_per_worker * config.pipeline.num_micro_batch, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config,
                   strategies=[lambda: epl.replicate(1)], initial=initial)
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
@@ -45,6 +45,8 @@ def main():
   reduces = [op for op in res.graph.get_operations() if op.type == "CollectiveReduceV2"]
   np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
            __losses__=np.array(res.losses), __zero_owners__=np.array(owners, np.int64),
+           __exchanges__=np.array(sum(op.type == "CollectiveAllToAllV2"
+                                      for op in res.graph.get_operations())),
            __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
            __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
                                        for op in reduces]),
