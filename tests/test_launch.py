@@ -105,19 +105,5 @@ def test_exit_descriptions_and_console_filter():
 
 
 def test_help_is_instant_and_never_imports_tensorflow():
-  import subprocess
-  import sys
-  import time
-  script = os.path.join(os.path.dirname(sys.executable), "epl-launch")
-  command = [script] if os.path.exists(script) else [sys.executable, "-m", "epl.launch.cli"]
-  start = time.perf_counter()
-  result = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=60)
-  took = time.perf_counter() - start
-  assert result.returncode == 0 and "--num_workers" in result.stdout, result.stderr
-  assert took < 1.0, "epl-launch --help took %.2f s" % took
-  code = ("import sys, epl.launch.cli as cli\n"
-          "try:\n  cli.main(['--help'])\nexcept SystemExit:\n  pass\n"
-          "assert not [m for m in sys.modules if m.startswith('tensorflow')], 'TF imported'\n")
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-  assert result.returncode == 0, result.stderr
+  from tests.cli_help import assert_help_is_instant
+  assert_help_is_instant("epl-launch", "epl.launch.cli", "--num_workers")
