@@ -72,7 +72,7 @@ def bridge(ctx):
   if not plan.crossings or k == 1:
     return Bridges([])
   analysis, clones = ctx.result("analyze"), ctx.clones()
-  cloned = analysis.cloned_set
+  cloned, sources = analysis.cloned_set, frozenset(analysis.sources)
   leads = [c for c in range(worker.num_copies) if worker.copies[c].shard == 0]
   crossings = [x for x in plan.crossings
                if graph.get_tensor_by_name(x.tensor).op in cloned and
@@ -84,17 +84,18 @@ def bridge(ctx):
     for x in crossings:
       build = BUILDERS[(x.collective, x.gather)]
       for lead in leads:
-        build(_Site(ctx, coll, clones, graph, x, lead, k, rows[lead]), built, cache)
+        build(_Site(plan, coll, clones, graph, sources, x, lead, k, rows[lead]), built, cache)
   return Bridges(built)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
   """One crossing in one model replica (copies ``lead`` .. ``lead + k - 1``)."""
-  ctx: object
+  plan: object
   coll: object
   clones: object
   graph: tf.Graph
+  sources: frozenset            # the input pipeline's ops (``analyze``)
   x: object
   lead: int
   k: int
@@ -116,10 +117,10 @@ def _gather(site, built, cache):
   """Into a split part: the copies' rows concatenated along the batch axis (all-gather of
   activations, all-to-all of expert slices), copy 0's value, or the copies' gradient sum."""
   x, coll = site.x, site.coll
-  factor = _scale(site.ctx.plan, x, site.k)
+  factor = _scale(site.plan, x, site.k)
   values = site.values()
   user = site.clones.op(site.lead, site.consumer)
-  if site.tensor.op in set(site.ctx.result("analyze").sources):
+  if site.tensor.op in site.sources:
     # an iterator's batch: the replica's first copy pulls the whole replica batch and
     # splits it k ways (``replicate``); the split part reads the unsplit batch
     whole = values[0]
@@ -143,7 +144,7 @@ def _scatter(site, built, cache):
   """Out of a split part: copy j reads its own rows (cut on the part's device: only they
   travel), or the whole value."""
   x = site.x
-  factor = _scale(site.ctx.plan, x, site.k)
+  factor = _scale(site.plan, x, site.k)
   source = site.values()[0]             # the split part runs in the replica's first copy
   for j, c in enumerate(range(site.lead, site.lead + site.k)):
     user = site.clones.op(c, site.consumer)
