@@ -42,6 +42,7 @@ import inspect
 import re
 import threading
 
+from tensorflow.core.framework import attr_value_pb2 as _attr_value
 from tensorflow.python.client import session as _session
 from tensorflow.python.data.ops import from_tensor_slices_op as _slices
 from tensorflow.python.framework import ops as _ops
@@ -56,6 +57,7 @@ from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
 from tensorflow.python.training import saver as _saver
 
+from epl.io_slicing import file_list
 from epl.sharding import rules as _split_rules
 from epl.sharding import sharded as _sharded
 
@@ -83,6 +85,16 @@ def in_control_flow(op):
   """True for an op built inside a v1 ``tf.cond`` branch or ``tf.while_loop`` body (its
   Python control-flow context; ops TF imported or epl cloned have none)."""
   return getattr(op, "_control_flow_context", None) is not None
+
+
+def drop_colocation(op, names):
+  """Removes ``op``'s colocation with each variable in ``names`` (its ``_class`` entries)."""
+  groups = [g for g in op.node_def.attr["_class"].list.s if g[len(b"loc:@"):].decode() not in
+            names] if "_class" in op.node_def.attr else None
+  if groups:
+    op._set_attr("_class", _attr_value.AttrValue(list=_attr_value.AttrValue.ListValue(s=groups)))
+  elif groups is not None:
+    op._clear_attr("_class")  # pylint: disable=protected-access
 
 
 def add_control_inputs(op, control_ops):
@@ -244,7 +256,7 @@ def _slices_hook(original):
   def __init__(self, element, is_files=False, name=None):
     graph = _ops.get_default_graph()
     if _manages(graph):
-      files = _file_list(element)
+      files = file_list(element)
       if files is not None:
         mine = _listener.slice_files(graph, files, is_files)
         if mine is not None:
@@ -376,25 +388,4 @@ def uninstall():
 def installed():
   """True while the hooks are in place."""
   return bool(_ORIGINALS)
-
-
-def _file_list(element):
-  """The file names in a from_tensor_slices element, if it is one constant string vector."""
-  import numpy as np
-  from tensorflow.python.framework import tensor_util
-  if isinstance(element, (list, tuple)) and element and all(
-      isinstance(e, (str, bytes)) for e in element):
-    values = list(element)
-  elif isinstance(element, np.ndarray) and element.ndim == 1 and element.dtype.kind in "SUO":
-    values = element.tolist()
-  elif hasattr(element, "dtype") and hasattr(element, "op") and element.dtype == "string":
-    if element.op.type == "Reshape":            # readers flatten the list first
-      element = element.op.inputs[0]
-    value = tensor_util.constant_value(element)
-    if value is None or np.ndim(value) > 1:
-      return None
-    values = np.atleast_1d(value).tolist()
-  else:
-    return None
-  return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 

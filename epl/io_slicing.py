@@ -31,3 +31,25 @@ def assign_files(files, workers, index, unbalanced=False, drop_last=False):
           "io.unbalanced_io_slicing=True (some workers read one more file) or "
           "io.drop_last_files=True (drop the last %d file(s))" % (n, workers, n % workers))
   return list(files[index::workers])
+
+
+def file_list(element):
+  """The file names in a from_tensor_slices element, if it is one constant string vector
+  (the io.slicing hook in epl._tf_compat cuts such lists)."""
+  import numpy as np
+  import tensorflow.compat.v1 as tf
+  if isinstance(element, (list, tuple)) and element and all(
+      isinstance(e, (str, bytes)) for e in element):
+    values = list(element)
+  elif isinstance(element, np.ndarray) and element.ndim == 1 and element.dtype.kind in "SUO":
+    values = element.tolist()
+  elif hasattr(element, "dtype") and hasattr(element, "op") and element.dtype == "string":
+    if element.op.type == "Reshape":            # readers flatten the list first
+      element = element.op.inputs[0]
+    value = tf.get_static_value(element)
+    if value is None or np.ndim(value) > 1:
+      return None
+    values = np.atleast_1d(value).tolist()
+  else:
+    return None
+  return [v.decode() if isinstance(v, bytes) else str(v) for v in values]

@@ -49,15 +49,19 @@ AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
 ZERO = {"EPL_ZERO_LEVEL": "v0", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
+ZERO_V2 = {"EPL_ZERO_LEVEL": "v2", "EPL_LOG_LEVEL": "debug"}
+ZERO_V2_ACCUMULATE = dict(ZERO_V2, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 
 
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
-    (2, 1, ZERO), (2, 2, ZERO), (2, 1, ZERO_V1), (2, 2, ZERO_V1), (2, 2, ZERO_V1_ACCUMULATE)],
+    (2, 1, ZERO), (2, 2, ZERO), (2, 1, ZERO_V1), (2, 2, ZERO_V1), (2, 2, ZERO_V1_ACCUMULATE),
+    (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
          "2x1 zero v0", "2x2 zero v0", "2x1 zero v1", "2x2 zero v1",
-         "2x2 zero v1 with 2 micro-batches"])
+         "2x2 zero v1 with 2 micro-batches", "2x1 zero v2", "2x2 zero v2",
+         "2x2 zero v2 with 2 micro-batches"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
@@ -78,10 +82,15 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
       for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
         assert result in log, log[-3000:]
-  if env in (ZERO, ZERO_V1, ZERO_V1_ACCUMULATE):   # slots shared out over the job's copies
+  zeros = (ZERO, ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V2, ZERO_V2_ACCUMULATE)
+  if env in zeros:                                # slots shared out over the job's copies
     for r in results:
       assert sorted(set(r["__zero_owners__"])) == list(range(workers * devices))
-  if env in (ZERO_V1, ZERO_V1_ACCUMULATE):   # gradients reach their owners by a reduce-scatter
+  if env in (ZERO_V2, ZERO_V2_ACCUMULATE):  # each weight on its owner's task only
+    total = int(results[0]["__weights_total__"])
+    held = [int(r["__weights_here__"]) for r in results]
+    assert sum(held) == total and max(held) < total, (held, total)
+  if env in zeros[1:]:               # gradients reach their owners by a reduce-scatter
     # (an all-to-all of the owners' chunks on CPU)
     for r in results:
       assert r["__exchanges__"] >= 1 and len(r["__reduce_dtypes__"]) == 0, r
@@ -272,14 +281,16 @@ def test_port_in_use_is_a_clear_error(tmp_path):
   assert "is the port in use?" in out.stderr
 
 
-def test_zero_across_workers_checkpoint_holds_every_owners_slots(tmp_path):
+@pytest.mark.parametrize("level", ["v0", "v2"])
+def test_zero_across_workers_checkpoint_holds_every_owners_slots(tmp_path, level):
   """ZeRO v0 over 2 workers: each Adam slot lives on its owner's worker, and the chief's
   checkpoint (written by worker 0 alone) holds every slot's trained value -- also those that
-  worker 1 owns and updates -- so a restore (here: the local model) gets the whole state."""
+  worker 1 owns and updates -- so a restore (here: the local model) gets the whole state.
+  v2: the weights too live on their owner's worker only; the checkpoint holds them trained."""
   train = os.path.join(ROOT, "tests", "workers", "train_worker.py")
   out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
                 str(tmp_path / "logs"), train, str(tmp_path / "ck"), str(tmp_path), "6", "0"],
-               env={"EPL_ZERO_LEVEL": "v0"})
+               env={"EPL_ZERO_LEVEL": level})
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   import tensorflow.compat.v1 as tf
   reader = tf.train.load_checkpoint(str(tmp_path / "ck"))
@@ -288,3 +299,8 @@ def test_zero_across_workers_checkpoint_holds_every_owners_slots(tmp_path):
   assert len(slots) == 8 and reader.get_tensor("global_step") == 6
   for name in slots:                      # trained: no slot is still at its zero start
     assert np.abs(reader.get_tensor(name)).max() > 0, name
+  start = np.load(tmp_path / "start_0.npz")
+  weights = [n for n in names if n.endswith(("kernel", "bias"))]
+  assert len(weights) == 4
+  for name in weights:                    # trained, whichever worker owns them
+    assert not np.allclose(reader.get_tensor(name), start[name]), name

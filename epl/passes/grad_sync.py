@@ -196,7 +196,9 @@ def _reduce(ctx, items, report):
   dense, plan = {}, ctx.plan
   # zero.level v1: each gradient is summed where its owner is, the only copy whose update
   # reads it -- inside one worker on the owner's device, across workers by a reduce-scatter
-  owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" else {}
+  # (v2 across workers too: the owner's is the only copy that holds the variable)
+  across_v2 = plan.memory.zero == "v2" and plan.worker_num > 1
+  owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" or across_v2 else {}
   scatter = bool(owners) and plan.worker_num > 1
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
@@ -309,7 +311,8 @@ def _scatter_to_owners(ctx, tg, part, items, owners, report):
       pieces = tf.split(reduced, [i.size for i in owned] + [length - sum(
           i.size for i in owned)])[:len(owned)]
     for item, piece in zip(owned, pieces):
-      index = copies.index(local[owners[item.variable]])
+      # v2: copy 0's update (moved to the owner's device by the zero pass) is the one
+      index = 0 if plan.memory.zero == "v2" else copies.index(local[owners[item.variable]])
       new = list(item.first)
       new[index] = tf.reshape(piece, item.first[index].shape)
       _rewire_all(ctx.clones(), item, new)

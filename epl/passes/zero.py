@@ -23,6 +23,8 @@ micro-batch reads the weight through copy 0's read of it, so TF sends the weight
 that uses it in the step (gathered just in time) and no device holds another's weights between
 steps. The other copies' variable clones are never initialised, and their updates never run
 (what waited for them waits for the one update). Checkpoints are the local script's.
+Across workers the owner's worker broadcasts the weights it owns at the start of each step;
+the other workers' copies read the received values (``_partition_across``).
 Returns ``Zero``.
 """
 import dataclasses
@@ -128,7 +130,10 @@ def zero(ctx):
     for group in op.colocation_groups():
       colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
   if level == "v2":
-    _partition_weights(ctx, owners, updates, partitioned, colocated)
+    if plan.worker_num > 1:
+      _partition_across(ctx, owners, updates, partitioned, colocated, local)
+    else:
+      _partition_weights(ctx, owners, updates, partitioned, colocated)
     return Zero(owners, tuple(sorted(partitioned)), level)
   buckets = {}                    # (TaskGraph, dtype, owner worker) -> variables
   for name, k in owners.items():
@@ -243,41 +248,125 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
       _replace_update(v, [clones.op(c, op) for op in updates[v]], copied)
 
 
-def _partition_weights(ctx, owners, updates, partitioned, colocated):
-  """v2: each trained variable, its slots and its update once, on the owner's device."""
+def _place_once(ctx, name, device, partitioned, colocated, updates):
+  """v2: the user's variable ``name``, its slots (with what TF keeps with them) and copy 0's
+  update of it on ``device``; the other copies' updates replaced by copy 0's."""
   graph, clones = ctx.graph, ctx.clones()
   get = graph.get_operation_by_name
-  step = ctx.result("analyze").cloned_set
-  copies, micro = ctx.worker.num_copies, ctx.plan.num_micro_batch
-  for name, j in owners.items():
-    var = get(name)
-    device = clones.op(j, var).device
-    members = [name] + sorted(s for s, v in partitioned.items() if v == name)
-    for member in members:
-      user = get(member)
-      for op in [user] + user.outputs[0].consumers() + colocated.get(member, []):
-        if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
-          compat.set_device(op, device)
+  members = [name] + sorted(s for s, v in partitioned.items() if v == name)
+  for member in members:
+    user = get(member)
+    for op in [user] + user.outputs[0].consumers():
+      if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
+        compat.set_device(op, device)
+    for op in colocated.get(member, []):
+      if op.name.startswith(tuple(m + "/" for m in members)):   # its initialiser, its slots'
+        compat.set_device(op, device)
+      elif op is not user and op not in user.outputs[0].consumers():
+        # bookkeeping TF put next to it (Adam's beta powers): stays with its copy
+        compat.drop_colocation(op, members)
+  for op in updates[name]:
+    compat.set_device(op, device)
+  for c in range(1, ctx.worker.num_copies):  # one update: the others' never run
     for op in updates[name]:
-      compat.set_device(op, device)
-    reads = [op for op in var.outputs[0].consumers()
-             if op in step and op.type in ("Identity", "ReadVariableOp")]
-    for read in reads:                       # every copy and micro-batch reads copy 0's read
-      for c in range(copies):
-        for m in range(micro):
-          clone = clones.op(c, read, m)
-          if clone is None or clone is read:
-            continue
-          for mine, real in zip(clone.outputs, read.outputs):
-            for consumer in list(mine.consumers()):
-              for i, t in enumerate(consumer.inputs):
-                if t is mine:
-                  compat.update_input(consumer, i, real)
-          for waiter in list(compat.control_outputs(clone)):   # the schedule's order
-            compat.replace_control_inputs(waiter, {clone: read})
-    for c in range(1, copies):               # one update: the others' never run
-      for op in updates[name]:
-        mine = clones.op(c, op)
-        if mine is None:
-          continue
+      mine = clones.op(c, op)
+      if mine is not None:
         _replace_update(name, [mine], op)
+
+
+def _rewire_reads(ctx, var, value_of, skip_first=True):
+  """Every copy's and micro-batch's read of ``var`` (copy 0's own too unless ``skip_first``)
+  handed ``value_of(read)`` instead: its consumers and the ops that wait for it."""
+  clones = ctx.clones()
+  step = ctx.result("analyze").cloned_set
+  reads = [op for op in var.outputs[0].consumers()
+           if op in step and op.type in ("Identity", "ReadVariableOp")]
+  for read in reads:
+    real = value_of(read)
+    for c in range(ctx.worker.num_copies):
+      for m in range(ctx.plan.num_micro_batch):
+        clone = clones.op(c, read, m)
+        if clone is None or (clone is read and skip_first):
+          continue
+        for mine in clone.outputs:
+          for consumer in list(mine.consumers()):
+            for i, t in enumerate(consumer.inputs):
+              if t is mine:
+                compat.update_input(consumer, i, real)
+        for waiter in list(compat.control_outputs(clone)):   # the schedule's order
+          compat.replace_control_inputs(waiter, {clone: real.op})
+
+
+def _partition_weights(ctx, owners, updates, partitioned, colocated):
+  """v2: each trained variable, its slots and its update once, on the owner's device."""
+  get = ctx.graph.get_operation_by_name
+  for name, j in owners.items():
+    _place_once(ctx, name, ctx.clones().op(j, get(name)).device, partitioned, colocated,
+                updates)
+    _rewire_reads(ctx, get(name), lambda read: read.outputs[0])
+
+
+def _partition_across(ctx, owners, updates, partitioned, colocated, local):
+  """v2 across workers: each trained variable, its slots and its update exist once, on the
+  owner copy's device (its worker's task). At the start of a step each owner worker sends
+  the weights it owns in one broadcast per (TaskGraph, dtype); the other workers' copies
+  read the received values and run no update of them (they wait for the gradients'
+  reduce-scatter instead, which brings the owner its sum). No worker reads another's
+  variable inside a step: only initialisation, restore and the chief's save touch it."""
+  graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
+  get = graph.get_operation_by_name
+  job = plan.copies
+  exchanged = ctx.result("gradient_sync").exchanged
+  buckets = {}
+  for name, k in owners.items():
+    var = get(name)
+    tg = ctx.owner.get(var)
+    here = job[k].client == worker.index
+    device = ctx.clones().op(local[k], var).device if here else job[k].devices[tg][0]
+    _place_once(ctx, name, device, partitioned, colocated, updates)
+    dtype = tf.as_dtype(var.get_attr("dtype")).base_dtype
+    buckets.setdefault((tg, dtype.name, job[k].client), []).append(name)
+    if here:
+      _rewire_reads(ctx, var, lambda read: read.outputs[0])
+  for key in sorted(buckets):
+    _gather_bucket(ctx, key, sorted(buckets[key]), updates, exchanged)
+
+
+def _gather_bucket(ctx, key, names, updates, exchanged):
+  """v2 across workers: one owner worker's weights (of one TaskGraph and dtype) broadcast
+  at the start of the step; elsewhere they replace every read of them."""
+  graph, worker = ctx.graph, ctx.worker
+  get = graph.get_operation_by_name
+  tg, dtype_name, sender = key
+  group, me = worker.client_group(tg)
+  root = list(ctx.plan.clients).index(sender)
+  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
+  if not all(s.is_fully_defined() for s in shapes):
+    raise NotImplementedYetError(
+        "zero.level v2 across workers needs variables of static shape; %s has %s" % next(
+            (v, s) for v, s in zip(names, shapes) if not s.is_fully_defined()))
+  sizes = [s.num_elements() for s in shapes]
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.name_scope("epl_zero"):
+    if worker.index == sender:
+      reads = []
+      for v in names:                                # each read where its variable lives
+        with tf.device(get(v).device):
+          reads.append(tf.reshape(_read(get(v)), [-1]))
+      with tf.device(group[me]):
+        flat = tf.concat(reads, axis=0) if len(reads) > 1 else reads[0]
+      sent = ctx.collectives.broadcast(flat, group[me], group, root)
+      for v in names:            # the weights are sent as they were before this step's update
+        for op in updates[v]:
+          compat.add_control_inputs(op, [sent.op])
+      return
+    with tf.device(group[me]):
+      received = ctx.collectives.broadcast(tf.zeros([sum(sizes)], dtype_name), group[me],
+                                           group, root)
+      pieces = tf.split(received, sizes) if len(names) > 1 else [received]
+      values = {v: tf.reshape(p, s) for v, p, s in zip(names, pieces, shapes)}
+  done = exchanged.get((tg, dtype_name), received.op)
+  for v in names:
+    _rewire_reads(ctx, get(v), lambda read, v=v: values[v], skip_first=False)
+    for op in updates[v]:                         # this worker runs no update of them
+      _replace_update(v, [op], done)

@@ -128,12 +128,11 @@ def _placements(specs, config, cluster):
         "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
         "every replicate scope the same device_count" % ", ".join(
             "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
-  across = cluster.worker_num > 1 and config.zero.level == "v2"
-  if config.zero.level and (has_split or across or config.offload.level or
+  if config.zero.level and (has_split or config.offload.level or
                             config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
-        "zero.level %r is implemented for data parallelism (v0, v1: on one or several "
-        "workers; v2: inside one worker), without epl.split, offload.level and "
+        "zero.level %r is implemented for data parallelism (on one or several workers), "
+        "without epl.split, offload.level and "
         "optimizer.num_apply_group, in this version of epl "
         "(this job: %d worker(s)%s%s%s)" % (
             config.zero.level, cluster.worker_num, ", epl.split" if has_split else "",

@@ -42,9 +42,17 @@ def main():
                   strategies=[lambda: epl.replicate(1)], initial=initial)
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
   owners = sorted((zero.owners if zero is not None else {}).values())
+  # bytes of the user's trained variables placed on this worker's task (ZeRO v2: its share)
+  task = "/task:%d/" % cluster.worker_index
+  trained = {g.variable for g in res.parallel.plan.gradients} if res.parallel else set()
+  sizes = {op.name: tf.TensorShape(op.get_attr("shape")).num_elements()
+           for op in res.graph.get_operations() if op.name in trained}
+  here = sum(n for name, n in sizes.items()
+             if task in res.graph.get_operation_by_name(name).device)
   reduces = [op for op in res.graph.get_operations() if op.type == "CollectiveReduceV2"]
   np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
            __losses__=np.array(res.losses), __zero_owners__=np.array(owners, np.int64),
+           __weights_here__=np.array(here), __weights_total__=np.array(sum(sizes.values())),
            __exchanges__=np.array(sum(op.type == "CollectiveAllToAllV2"
                                       for op in res.graph.get_operations())),
            __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
