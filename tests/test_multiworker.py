@@ -47,6 +47,7 @@ COMMUNICATION = {"EPL_COMMUNICATION_FP16": "true", "EPL_COMMUNICATION_NUM_COMMUN
 
 AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
 ZERO = {"EPL_ZERO_LEVEL": "v0", "EPL_LOG_LEVEL": "debug"}
+ZERO_ACCUMULATE = dict(ZERO, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 ZERO_V2 = {"EPL_ZERO_LEVEL": "v2", "EPL_LOG_LEVEL": "debug"}
@@ -55,11 +56,12 @@ ZERO_V2_ACCUMULATE = dict(ZERO_V2, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
-    (2, 1, ZERO), (2, 2, ZERO), (2, 1, ZERO_V1), (2, 2, ZERO_V1), (2, 2, ZERO_V1_ACCUMULATE),
+    (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1), (2, 2, ZERO_V1),
+    (2, 2, ZERO_V1_ACCUMULATE),
     (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
-         "2x1 zero v0", "2x2 zero v0", "2x1 zero v1", "2x2 zero v1",
+         "2x1 zero v0", "2x2 zero v0", "2x2 zero v0 with 2 micro-batches", "2x1 zero v1", "2x2 zero v1",
          "2x2 zero v1 with 2 micro-batches", "2x1 zero v2", "2x2 zero v2",
          "2x2 zero v2 with 2 micro-batches"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
@@ -82,7 +84,7 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
       for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
         assert result in log, log[-3000:]
-  zeros = (ZERO, ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V2, ZERO_V2_ACCUMULATE)
+  zeros = (ZERO, ZERO_ACCUMULATE, ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V2, ZERO_V2_ACCUMULATE)
   if env in zeros:                                # slots shared out over the job's copies
     for r in results:
       assert sorted(set(r["__zero_owners__"])) == list(range(workers * devices))
@@ -90,7 +92,7 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
     total = int(results[0]["__weights_total__"])
     held = [int(r["__weights_here__"]) for r in results]
     assert sum(held) == total and max(held) < total, (held, total)
-  if env in zeros[1:]:               # gradients reach their owners by a reduce-scatter
+  if env in zeros[2:]:               # gradients reach their owners by a reduce-scatter
     # (an all-to-all of the owners' chunks on CPU)
     for r in results:
       assert r["__exchanges__"] >= 1 and len(r["__reduce_dtypes__"]) == 0, r
