@@ -117,6 +117,31 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
     assert all(d == "float32" for r in results for d in r["__reduce_dtypes__"])
 
 
+def test_stages_with_different_device_counts_across_workers(tmp_path):
+  """A 2:1 pipeline (stage_0 on 2 devices, stage_1 on 1) with 2 micro-batches, one model
+  replica per worker on 2 workers x 3 devices: the stages' gradients are all-reduced across
+  the workers, and the job trains the local model."""
+  workers, devices, steps, batch, micro = 2, 3, 5, 4, 2
+  global_batch = workers * batch * micro
+  rng = np.random.RandomState(3)
+  x = rng.randn(steps * global_batch, 8).astype(np.float32)
+  y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
+  local = run_model(models.mlp_two_stages, (x, y), global_batch, steps)
+  np.savez(tmp_path / "data.npz", x=x, y=y)
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
+                "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp_two_stages",
+                str(steps), str(batch), "2,1"], env={"EPL_PIPELINE_NUM_MICRO_BATCH": str(micro)})
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(workers)]
+  losses = np.mean([r["__losses__"] for r in results], axis=0)
+  assert (np.abs(losses - local.losses) <= 1e-5 * np.maximum(1, np.abs(local.losses))).all(), \
+      (losses, local.losses)
+  for r in results:
+    for name, value in local.variables.items():
+      np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_epl_launch_runs_the_quickstart_example(tmp_path):
   out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
                 str(tmp_path / "logs"), "examples/quickstart/run.sh"])

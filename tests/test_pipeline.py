@@ -110,3 +110,56 @@ def test_cond_and_while_loops_with_micro_batches(micro, fetch_loss):
   assert_parity(models.while_v1, cfg(1, micro), copies=micro, fetch_loss=fetch_loss)
   assert_parity(models.control_flow_two_stages, cfg(2, micro), copies=micro,
                 strategies=stages(2), fetch_loss=fetch_loss)
+
+
+def stages_on(counts):
+  return [(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i)) for i, k in enumerate(counts)]
+
+
+@pytest.mark.parametrize("counts,micro,devices,feed", [
+    ((2, 1), 1, 3, False), ((2, 1), 2, 3, True), ((1, 2), 3, 3, False), ((4, 2), 2, 6, False),
+    ((2, 1), 2, 6, False), ((2, 1, 1, 2), 2, 6, False)],
+    ids=["2:1", "2:1 x2 micro-batches fed", "1:2 x3 micro-batches", "4:2 x2 micro-batches",
+         "2:1 x2 replicas x2 micro-batches", "2:1:1:2 x2 micro-batches"])
+def test_stages_with_different_device_counts_train_the_local_model(counts, micro, devices,
+                                                                   feed):
+  """Per-stage replication (the planner's 15:1-style plans): stage i on counts[i] devices per
+  model replica. A stage on fewer devices runs in every (max / count)-th copy on the rows of
+  that many copies of the widest stage (gathered in, its gradients cut back out), with
+  micro-batches and data-parallel replicas; Adam, iterator or fed batches."""
+  replicas = devices // sum(counts)
+  model = models.mlp_two_stages if len(counts) == 2 else models.mlp_four_stages
+  _, dist = assert_parity(model, cfg(devices, micro), copies=micro * replicas,
+                          strategies=stages_on(counts), optimizer="adam", feed=feed)
+  plan, copies = dist.parallel.plan, dist.parallel.results["replicate"].copies
+  assert plan.shards == max(counts)
+  for t, k in enumerate(counts):
+    assert len(plan.group_of(t)) == k * replicas              # its gradients' all-reduce
+    first = plan.taskgraphs[t].ops["forward"][-1]
+    holders = 1 + sum(1 for c in range(1, len(copies)) if first in copies[c])
+    assert holders == k * replicas, (t, holders)               # built only where it runs
+  gathers = dist.parallel.results["bridge"].count("gather")
+  assert gathers >= micro * replicas
+
+
+@pytest.mark.parametrize("counts,keys,error,match", [
+    ((3, 2), {}, "PlanError", r"device_count stage_0=3, stage_1=2: each device_count must "
+                              r"divide the largest \(3\)"),
+    ((2, 1), {"zero.level": "v0"}, "NotImplementedYetError",
+     r"different device_count \(stage_0=2, stage_1=1\) together with zero.level"),
+])
+def test_stage_device_counts_that_cannot_run_are_refused_before_the_rewrite(counts, keys,
+                                                                           error, match):
+  from epl import errors
+  from epl.cluster import Cluster
+  from epl.plan.build import build_plan
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config(dict({"cluster.devices_per_worker": 6,
+                              "pipeline.num_micro_batch": 2}, **keys)))
+    x = tf.placeholder(tf.float32, [4, 8])
+    y = tf.placeholder(tf.int64, [4])
+    models.mlp_two_stages(x, y, lambda i: stages_on(counts)[i]())
+    state = epl.Env.get()._state
+    with pytest.raises(getattr(errors, error), match=match):
+      build_plan(g, state.recorder, state.config, Cluster(("h0:6",), 0, 6, False))

@@ -7,8 +7,9 @@ pass is one module plus one line here.
 
   analyze        which ops each model copy owns, mirrored variables, singletons
   replicate      place copy 0, clone copies 1..n-1, wire singletons, build the replica sync
-  bridge         connect each replica's split TaskGraphs to its copies (gather / scatter)
   micro_batch    clone each copy's forward + backward per micro-batch (pipeline.num_micro_batch)
+  bridge         connect each replica's split TaskGraphs, and stages replicated on fewer
+                 devices, to its copies (gather / scatter), per micro-batch
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
   recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
@@ -28,5 +29,5 @@ from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
 from epl.passes.zero import zero
 
-PASSES = (analyze, replicate, bridge, micro_batch, schedule, recompute, gradient_sync, zero,
+PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, gradient_sync, zero,
           offload, apply_groups)

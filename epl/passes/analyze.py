@@ -42,7 +42,9 @@ class StepAnalysis:
   batch_placeholders: Tuple[tf.Operation, ...]  # fed batches split over the copies
   cloned_set: FrozenSet[tf.Operation] = frozenset()
   pinned: FrozenSet[tf.Operation] = frozenset()   # cloned ops the user put on the host CPU
-  split_ops: FrozenSet[tf.Operation] = frozenset()  # cloned ops of split TaskGraphs: once
+  # cloned ops of TaskGraphs that run in only some copies of a replica (split: once;
+  # replicated on fewer devices than the widest: every plan.stride-th copy)
+  split_ops: FrozenSet[tf.Operation] = frozenset()
                                                     # per replica (its first copy)
 
   def __str__(self):
@@ -66,7 +68,7 @@ def analyze(ctx):
       tuple(op for op in cloned if op.type in DATA_SOURCE_OPS),
       tuple(op for op in cloned if _is_batch_placeholder(op)),
       cloned_set, frozenset(op for op in cloned if pinned_to_host(op)),
-      frozenset(op for op in cloned if ctx.plan.is_split(ctx.owner[op])))
+      frozenset(op for op in cloned if ctx.plan.stride(ctx.owner[op]) > 1))
   _check_gradients(ctx.graph, result, ctx.plan)
   return result
 

@@ -68,38 +68,57 @@ def _retarget(consumer, old, new):
 def bridge(ctx):
   """Runs the pass; see the module docstring."""
   plan, worker, graph, coll = ctx.plan, ctx.worker, ctx.graph, ctx.collectives
-  k = plan.shards
-  if not plan.crossings or k == 1:
+  if not plan.crossings or plan.shards == 1:
     return Bridges([])
   analysis, clones = ctx.result("analyze"), ctx.clones()
   cloned, sources = analysis.cloned_set, frozenset(analysis.sources)
-  leads = [c for c in range(worker.num_copies) if worker.copies[c].shard == 0]
+  splits = ctx.result("replicate").source_splits
   crossings = [x for x in plan.crossings
                if graph.get_tensor_by_name(x.tensor).op in cloned and
                graph.get_operation_by_name(x.consumer) in cloned]
-  built, cache = [], {}
+  built, cache, counts = [], {}, {}
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_bridge"):
-    rows = {lead: _rows(clones, graph, crossings, lead, k) for lead in leads}
-    for x in crossings:
-      build = BUILDERS[(x.collective, x.gather)]
-      for lead in leads:
-        build(_Site(plan, coll, clones, graph, sources, x, lead, k, rows[lead]), built, cache)
+    for m in range(plan.num_micro_batch):
+      for x in crossings:
+        build = BUILDERS[(x.collective, x.gather)]
+        narrow, wide = (x.destination, x.source) if x.gather else (x.source, x.destination)
+        every, step = plan.stride(narrow), plan.stride(wide)
+        for lead in range(worker.num_copies):
+          if worker.copies[lead].shard % every == 0:
+            members = tuple(range(lead, lead + every, step))
+            if (narrow, wide, members, m) not in counts:
+              counts[(narrow, wide, members, m)] = _rows(
+                  clones, graph, crossings, sources, (narrow, wide), members, m)
+            rows = counts[(narrow, wide, members, m)]
+            build(_Site(plan, coll, clones, graph, sources, splits, x,
+                        worker.copies[lead].shard, members, m, rows), built, cache)
   return Bridges(built)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-  """One crossing in one model replica (copies ``lead`` .. ``lead + k - 1``)."""
+  """One crossing in one run of the narrower TaskGraph (in copy ``members[0]``, on the rows
+  of the wider one's copies ``members``), for micro-batch ``m``."""
   plan: object
   coll: object
   clones: object
   graph: tf.Graph
   sources: frozenset            # the input pipeline's ops (``analyze``)
+  splits: tuple                 # (Split, source op): how ``replicate`` cut each source
   x: object
-  lead: int
-  k: int
+  shard: int                    # the first member's shard in its replica
+  members: tuple
+  m: int
   rows: object
+
+  @property
+  def k(self):
+    return len(self.members)
+
+  @property
+  def lead(self):
+    return self.members[0]
 
   @property
   def tensor(self):
@@ -110,7 +129,7 @@ class _Site:
     return self.graph.get_operation_by_name(self.x.consumer)
 
   def values(self):
-    return [self.clones.tensor(c, self.tensor) for c in range(self.lead, self.lead + self.k)]
+    return [self.clones.tensor(c, self.tensor, self.m) for c in self.members]
 
 
 def _gather(site, built, cache):
@@ -118,17 +137,24 @@ def _gather(site, built, cache):
   activations, all-to-all of expert slices), copy 0's value, or the copies' gradient sum."""
   x, coll = site.x, site.coll
   factor = _scale(site.plan, x, site.k)
-  values = site.values()
-  user = site.clones.op(site.lead, site.consumer)
+  user = site.clones.op(site.lead, site.consumer, site.m)
   if site.tensor.op in site.sources:
     # an iterator's batch: the replica's first copy pulls the whole replica batch and
-    # splits it k ways (``replicate``); the split part reads the unsplit batch
-    whole = values[0]
-    _retarget(user, {i for i in user.inputs
-                     if i.op.type == "Split" and i.op.inputs[1] is whole}, whole)
-    built.append(("gather", x.tensor, whole))
+    # splits it k ways (``replicate``); the narrower TaskGraph reads the unsplit batch, or
+    # the pieces of the copies it serves
+    for split, source in site.splits:
+      if source is not site.tensor.op:
+        continue
+      cut = site.clones.op(site.lead - site.shard, split, site.m)   # this replica's cut
+      if cut.inputs[1].value_index != site.tensor.value_index:
+        continue
+      pieces = cut.outputs[site.shard:site.shard + site.k]
+      new = cut.inputs[1] if site.k == site.plan.shards else tf.concat(pieces, axis=0)
+      _retarget(user, {pieces[0]}, new)
+      built.append(("gather", x.tensor, new))
     return
-  key = (x.tensor, site.lead, user.device, factor)
+  values = site.values()
+  key = (x.tensor, site.lead, site.m, user.device, factor)
   if key not in cache:
     if x.batch_major:
       new = coll.gather_rows(values, user.device, x.axis)
@@ -145,10 +171,10 @@ def _scatter(site, built, cache):
   travel), or the whole value."""
   x = site.x
   factor = _scale(site.plan, x, site.k)
-  source = site.values()[0]             # the split part runs in the replica's first copy
-  for j, c in enumerate(range(site.lead, site.lead + site.k)):
-    user = site.clones.op(c, site.consumer)
-    key = (x.tensor, c, factor)
+  source = site.values()[0]             # the narrower TaskGraph runs in the first member
+  for j, c in enumerate(site.members):
+    user = site.clones.op(c, site.consumer, site.m)
+    key = (x.tensor, c, site.m, factor)
     if key not in cache:
       piece = site.coll.rows_of(source, site.rows, j, site.k, x.axis) if x.batch_major else \
           source
@@ -164,16 +190,18 @@ BUILDERS = {("all_gather", True): _gather, ("all_to_all", True): _gather,
             ("all_to_all", False): _scatter}
 
 
-def _rows(clones, graph, crossings, lead, k):
-  """The batch size of each copy of the replica: from the first batch-major tensor gathered
-  into a split TaskGraph (None: the copies split the rows evenly)."""
-  first = next((x for x in crossings if x.gather and x.batch_major and not x.backward), None)
+def _rows(clones, graph, crossings, sources, pair, members, m):
+  """The batch size of each member copy: from the first batch-major tensor gathered into the
+  narrower TaskGraph of ``pair`` (narrow, wide) (None: the copies split the rows evenly)."""
+  first = next((x for x in crossings if x.gather and x.batch_major and not x.backward and
+                (x.destination, x.source) == pair and
+                graph.get_tensor_by_name(x.tensor).op not in sources), None)
   if first is None:
     return None
   tensor = graph.get_tensor_by_name(first.tensor)
   counts = []
-  for c in range(lead, lead + k):
-    value = clones.tensor(c, tensor)
+  for c in members:
+    value = clones.tensor(c, tensor, m)
     with tf.device(value.device):
       counts.append(tf.shape(value)[first.axis])
   return counts

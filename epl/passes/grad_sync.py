@@ -135,8 +135,8 @@ def _accumulate(ctx, clones, weights, var_op, tg, grad, update):
   mean = ctx.plan.communication.reduce_method == "mean"
   part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
   copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
-  if ctx.plan.is_split(tg):
-    weights = None          # a split TaskGraph sees its replica's rows at once
+  if ctx.plan.stride(tg) > 1:
+    weights = None          # a split (or narrower) TaskGraph sees several copies' rows at once
   per_copy, first = [], []
   for c in copies:
     with tf.device(worker.device_of(c, tg, part)):

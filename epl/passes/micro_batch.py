@@ -4,7 +4,9 @@ Expects: the ``replicate`` result and ``pipeline.num_micro_batch`` M > 1 in the 
 Adds, for every copy c and micro-batch m >= 1, a clone of the copy's compute ops (forward and
 backward phases; not the apply ops, not the variables) under ``EPL_MB_<m>_R_<c>/``: it reads
 its own batch (its own ``get_next``, or its own placeholders, which the runtime feeds with its
-piece of a fed batch) and copy c's variables.
+piece of a fed batch) and copy c's variables. With k > 1 copies per replica the replica's
+first copy pulls micro-batch m's batch and cuts it k ways, and copy j takes piece j; a copy
+clones only the TaskGraphs it runs (``plan.stride``).
 Singletons wait for every micro-batch. Returns ``MicroBatches``; gradient accumulation is done
 by the gradient sync pass, the order of micro-batches by the schedule pass.
 """
@@ -39,12 +41,26 @@ def micro_batch(ctx):
   compute = compute_ops(analysis, ctx.phase)
   compute_set = set(compute)
   rest = [op for op in analysis.cloned if op not in compute_set]
+  splits = ctx.result("replicate").source_splits
+  sources = set(analysis.sources)
   out = {}
   for c in range(ctx.worker.num_copies):
     # the copy's own non-compute ops (variables, apply ops) are shared by its micro-batches
-    own = {} if c == 0 else {t: clones.tensor(c, t) for op in rest for t in op.outputs}
+    own = {} if c == 0 else {t: clones.tensor(c, t) for op in rest for t in op.outputs
+                             if clones.op(c, op) is not None}
+    j = ctx.worker.copies[c].shard
+    ops = [op for op in compute if op not in analysis.split_ops or
+           j % ctx.plan.stride(ctx.owner[op]) == 0]          # only the TaskGraphs it runs
+    if splits and j == 0:    # a replica's first copy pulls its batch and cuts it k ways
+      ops = ops + [split for split, _ in splits]
+    elif splits:
+      ops = [op for op in ops if op not in sources]
     for m in range(1, count):
-      out[(c, m)] = clone_ops(ctx.graph, compute, "EPL_MB_%d_R_%d" % (m, c),
-                              device_function(ctx, c), dict(own), ctx.nodes)
+      input_map = dict(own)
+      if splits and j:                       # the others take their piece of that batch
+        for split, _ in splits:
+          input_map[split.outputs[0]] = out[(c - j, m)][split.name].outputs[j]
+      out[(c, m)] = clone_ops(ctx.graph, ops, "EPL_MB_%d_R_%d" % (m, c),
+                              device_function(ctx, c), input_map, ctx.nodes)
   wait_for_clones(analysis.singletons, list(out.values()), compute_set)
   return MicroBatches(out)

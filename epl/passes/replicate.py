@@ -14,7 +14,7 @@ Expects: the plan (this worker's copies) and the ``analyze`` result. Adds:
 Returns a ``Replication`` record.
 """
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import tensorflow.compat.v1 as tf
 
@@ -32,6 +32,8 @@ class Replication:
   # [copies x micro-batches] weights of each piece's gradient; the runtime feeds rows-based
   # weights when a fed batch does not split evenly (None without batch placeholders)
   row_weights: Optional[tf.Tensor] = None
+  # (the Split op that cuts a source's output into the replica's k pieces, the source op)
+  source_splits: Tuple[Tuple[tf.Operation, tf.Operation], ...] = ()
 
   def __str__(self):
     return "Replication(%d copies, %d mirrored variables, sync %s)" % (
@@ -94,7 +96,8 @@ def replicate(ctx):
     input_map = {}
     ops = cloned
     if j > 0:       # the replica's batch pieces and split TaskGraphs come with its first copy
-      skip = {s for s, _ in source_splits} | set(analysis.sources) | analysis.split_ops
+      skip = {s for s, _ in source_splits} | set(analysis.sources) | {
+          op for op in analysis.split_ops if j % plan.stride(ctx.owner[op])}
       ops = [op for op in cloned if op not in skip]
       for split_op, _ in source_splits:
         replica_split = split_op if r == 0 else copies[r * k][split_op.name]
@@ -104,7 +107,8 @@ def replicate(ctx):
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n) if v.name in copies[c]]
               for v in analysis.mirrored}
-  return Replication(copies, _build_sync(ctx, _synced(plan, mirrored)), mirrored, weights)
+  return Replication(copies, _build_sync(ctx, _synced(plan, mirrored)), mirrored, weights,
+                     tuple(source_splits))
 
 
 def _synced(plan, mirrored):

@@ -56,7 +56,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   owner, phase = attribute_ops(graph, recorder, upto)
   ops, rank = split_facts.op_ranks(graph, upto)
   kinds = {i: s.kind for i, s in enumerate(recorder.specs)}
-  split_facts.move_inputs_to_copies(ops, owner, kinds)
+  split_facts.move_inputs_to_copies(ops, owner, kinds, {
+      i: s.device_count or 1 for i, s in enumerate(recorder.specs) if s.kind == REPLICATE})
   used = sorted({t for t in owner.values() if t is not None})
   renumber = {old: new for new, old in enumerate(used)}
   specs = [recorder.specs[i] for i in used]
@@ -74,6 +75,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   if split_tgs:
     split_facts.check_rules(ops, rank, owner, phase, recorder, split_tgs, specs)
     parts = split_facts.assign_parts(ops, rank, owner, phase, recorder, split_tgs)
+  if split_tgs or len({p.devices for p in placements if p.kind == REPLICATE}) > 1:
     crossings = split_facts.crossings(ops, owner, phase, kinds, specs, placements,
                                       recorder.exchange_axes)
   colocate = config.cluster.colocate_split_and_replicate
@@ -88,8 +90,10 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
 
 
 def _shards(placements):
-  """Copies per model replica: the device_count of the replicated TaskGraphs (1 if none)."""
-  return next((p.devices for p in placements if p.kind == REPLICATE), 1)
+  """Copies per model replica: the largest device_count of the replicated TaskGraphs (1 if
+  none); a replicated TaskGraph with fewer devices runs in every ``shards // devices``-th
+  copy on the rows of that many copies."""
+  return max((p.devices for p in placements if p.kind == REPLICATE), default=1)
 
 
 def _replica_devices(placements, colocate):
@@ -124,10 +128,18 @@ def _placements(specs, config, cluster):
     out.append(Replicate(k))
   counts = [p.devices for p in out if p.kind == REPLICATE]
   if len(set(counts)) > 1:
-    raise NotImplementedYetError(
-        "TaskGraphs with different device_count (%s) are not implemented yet in epl; give "
-        "every replicate scope the same device_count" % ", ".join(
-            "%s=%d" % (s.name, p.devices) for s, p in zip(specs, out) if p.kind == REPLICATE))
+    mixed = ", ".join("%s=%d" % (s.name, p.devices) for s, p in zip(specs, out)
+                      if p.kind == REPLICATE)
+    if any(max(counts) % k for k in counts):
+      raise PlanError(
+          "replicate scopes with device_count %s: each device_count must divide the largest "
+          "(%d), so that every copy of a stage with fewer devices takes the rows of a whole "
+          "number of the widest stage's copies; change device_count" % (mixed, max(counts)))
+    if has_split or config.zero.level:
+      raise NotImplementedYetError(
+          "replicate scopes with different device_count (%s) together with %s are not "
+          "implemented yet in epl; give every replicate scope the same device_count" % (
+              mixed, "epl.split" if has_split else "zero.level"))
   if config.zero.level and (has_split or config.offload.level or
                             config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
@@ -147,10 +159,6 @@ def _placements(specs, config, cluster):
     raise NotImplementedYetError(
         "pipeline.num_micro_batch > 1 with epl.split is not implemented yet in epl; use "
         "num_micro_batch 1 with a split TaskGraph")
-  if config.pipeline.num_micro_batch > 1 and any(k > 1 for k in counts):
-    raise NotImplementedYetError(
-        "pipeline.num_micro_batch > 1 with replicate(device_count > 1) is not implemented yet "
-        "in epl; use device_count=1 per stage")
   colocate = config.cluster.colocate_split_and_replicate and has_split
   per_replica = _replica_devices(out, colocate)
   detail = " + ".join("%s: %d" % (s.name, p.devices) for s, p in zip(specs, out))
@@ -161,7 +169,7 @@ def _placements(specs, config, cluster):
         "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
-  spans = not has_split and counts and counts[0] > 1
+  spans = not has_split and counts and max(counts) > 1
   if per_replica > devices_here and (total % per_replica or spans):
     raise PlanError(
         "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
@@ -190,10 +198,11 @@ def _layout(placements, colocate, cluster):
   for r in range(len(every_device) // per_replica):
     base = r * per_replica
     group = every_device[base:base + per_replica]
-    for j in range(_shards(placements)):
+    shards = _shards(placements)
+    for j in range(shards):          # copy j of a narrower TaskGraph: that of its run's rows
       copies.append(Copy(r, j, base // devices_here, tuple(
-          tuple(group[o:o + p.devices]) if p.kind == SPLIT else (group[o + j],)
-          for p, o in zip(placements, offsets))))
+          tuple(group[o:o + p.devices]) if p.kind == SPLIT else
+          (group[o + j // (shards // p.devices)],) for p, o in zip(placements, offsets))))
   return tuple(copies)
 
 

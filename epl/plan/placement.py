@@ -52,11 +52,15 @@ class Bridge:
 # (source kind, destination kind, layout) -> Bridge; layout "rows": a value whose batch is
 # its rows, "experts": a value cut along the experts in the copies and along the batch in the
 # split parts (MoE dispatch / combine, epl.sharding.experts). Same-kind replicated TaskGraphs
-# exchange activations by TF's own send/recv (pipeline stages); nothing is inserted.
+# exchange activations by TF's own send/recv (pipeline stages); nothing is inserted. Between
+# replicated TaskGraphs with different device counts (a pipeline with per-stage replication,
+# e.g. 2:1) a copy of the narrower one takes the rows of several copies of the wider one.
 # epl.plan.split.crossings labels every crossing from this table; epl.passes.bridge builds
 # each label with its collective.
 TRANSITIONS = {
     ("replicate", "replicate", "rows"): Bridge("send_recv", "send_recv"),
+    ("replicate", "replicate", "rows into fewer copies"): Bridge("all_gather", "reduce_scatter"),
+    ("replicate", "replicate", "rows into more copies"): Bridge("split_batch", "all_gather"),
     ("replicate", "split", "rows"): Bridge("all_gather", "reduce_scatter"),
     ("split", "replicate", "rows"): Bridge("split_batch", "all_gather"),
     ("replicate", "split", "experts"): Bridge("all_to_all", "all_to_all"),
@@ -67,4 +71,6 @@ TRANSITIONS = {
 
 def bridge(source, destination, layout="rows"):
   """The Bridge between two placements (KeyError names the unsupported pair)."""
+  if source.kind == destination.kind == "replicate" and source.devices != destination.devices:
+    layout += " into %s copies" % ("fewer" if destination.devices < source.devices else "more")
   return TRANSITIONS[(source.kind, destination.kind, layout)]

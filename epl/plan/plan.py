@@ -170,17 +170,28 @@ class ParallelPlan:
     """The part (device index in its TaskGraph) of an op of a split TaskGraph."""
     return self.parts.get(op_name, 0)
 
+  def stride(self, taskgraph):
+    """How many of a model replica's copies share one run of ``taskgraph``: 1 for a
+    TaskGraph replicated on all ``shards``, ``shards`` for a split one (it runs once per
+    replica), ``shards // device_count`` for a replicated TaskGraph with fewer devices than
+    the widest (each of its runs takes that many copies' rows)."""
+    placement = self.taskgraphs[taskgraph].placement
+    return self.shards if placement.kind == "split" else self.shards // placement.devices
+
+  def runs_in(self, copy, taskgraph):
+    """True if the job's copy ``copy`` (a ``Copy``) runs ``taskgraph``."""
+    return copy.shard % self.stride(taskgraph) == 0
+
   def group_of(self, taskgraph, part=0):
     """The devices that hold ``taskgraph`` (its ``part``, when split) in every copy of the job
     that runs it -- every copy for a replicated TaskGraph, each replica's first copy for a
     split one (collective groups)."""
     return tuple(c.devices[taskgraph][part] for c in self.copies
-                 if c.shard == 0 or not self.is_split(taskgraph))
+                 if self.runs_in(c, taskgraph))
 
   def clients_of(self, taskgraph, part=0):
     """The worker driving each member of ``group_of(taskgraph, part)``."""
-    return tuple(c.client for c in self.copies
-                 if c.shard == 0 or not self.is_split(taskgraph))
+    return tuple(c.client for c in self.copies if self.runs_in(c, taskgraph))
 
   @functools.cached_property
   def op_index(self) -> Dict[str, Tuple[int, str]]:
@@ -228,8 +239,11 @@ class ParallelPlan:
     for t in self.taskgraphs:
       lines.append("  " + str(t))
       for i, c in enumerate(self.copies):
-        lines.append("    copy %d (replica %d, shard %d, worker %d): %s" % (
-            i, c.replica, c.shard, c.client, ", ".join(c.devices[t.index])))
+        if self.runs_in(c, t.index):
+          lines.append("    copy %d (replica %d, shard %d, worker %d): %s%s" % (
+              i, c.replica, c.shard, c.client, ", ".join(c.devices[t.index]),
+              "" if self.stride(t.index) == 1 or t.placement.kind == "split" else
+              " (the rows of copies %d-%d)" % (i, i + self.stride(t.index) - 1)))
     return "\n".join(lines)
 
 
@@ -282,7 +296,7 @@ class WorkerView:
   def runs(self, copy, taskgraph):
     """True if local copy ``copy`` runs ``taskgraph`` (a split TaskGraph runs once per
     replica, in the replica's first copy)."""
-    return self.copies[copy].shard == 0 or not self.plan.is_split(taskgraph)
+    return self.plan.runs_in(self.copies[copy], taskgraph)
 
   def first_global_copy(self):
     return next(i for i, c in enumerate(self.plan.copies) if c.client == self.index)

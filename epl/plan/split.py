@@ -118,8 +118,8 @@ def _exchange_axis(tensor, consumer, exchange_axes):
 
 
 def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
-  """Every tensor that flows between a replicated and a split TaskGraph in the forward or
-  backward pass (the update reads every copy's synchronised values as they are), labelled
+  """Every tensor that flows between a replicated and a split TaskGraph, or between
+  replicated TaskGraphs with different device counts, in the forward or backward pass (the update reads every copy's synchronised values as they are), labelled
   with the collective epl.plan.placement.TRANSITIONS names for it."""
   within = set(ops)
   inputs = _batch_inputs(ops)
@@ -130,8 +130,9 @@ def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
       continue
     for t in op.inputs:
       src = owner.get(t.op)
-      if src is None or dst is None or src == dst or kinds[src] == kinds[dst] or \
-          phase[t.op] == "apply":
+      if src is None or dst is None or src == dst or phase[t.op] == "apply" or (
+          kinds[src] == kinds[dst] and
+          (kinds[src] == "split" or placements[src].devices == placements[dst].devices)):
         continue
       variable = t.op if t.op.type in VARIABLE_OPS else (
           t.op.inputs[0].op if t.op.type in READ_OPS and t.op.inputs and
@@ -148,20 +149,27 @@ def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
       # a gradient goes back through the adjoint of the forward bridge
       carrier = bridge(placements[dst], placements[src], layout).backward if backward else \
           bridge(placements[src], placements[dst], layout).forward
-      out.append(Crossing(t.name, op.name, src, dst, kinds[dst] == "split",
+      gather = kinds[dst] == "split" or (
+          kinds[src] == "replicate" and placements[dst].devices < placements[src].devices)
+      out.append(Crossing(t.name, op.name, src, dst, gather,
                           axis is not None or batch_major(t, inputs, within), backward,
                           axis or 0, carrier))
   return tuple(out)
 
 
-def move_inputs_to_copies(ops, owner, kinds):
-  """Data sources and fed batches created in a split TaskGraph belong to the first replicated
-  TaskGraph: every copy reads its own batch, and the split part reads the replica's rows."""
-  replicated = [t for t, k in sorted(kinds.items()) if k == "replicate"]
+def move_inputs_to_copies(ops, owner, kinds, counts):
+  """Data sources and fed batches created in a split TaskGraph, or in a replicated one with
+  fewer devices (``counts``: device_count per replicated TaskGraph) than the widest, belong to
+  the first widest replicated TaskGraph: every copy reads its own batch, and the others read
+  the rows of the copies they serve."""
+  widest = max(counts.values(), default=0)
+  replicated = [t for t, k in sorted(kinds.items()) if k == "replicate" and counts[t] == widest]
   if not replicated:
     return
   for op in ops:
-    if kinds.get(owner.get(op)) == "split" and (
+    t = owner.get(op)
+    narrow = kinds.get(t) == "split" or (kinds.get(t) == "replicate" and counts[t] < widest)
+    if narrow and (
         op.type in DATA_SOURCE_OPS or
         (op.type in PLACEHOLDER_OPS and op.outputs[0].shape.rank != 0)):
       owner[op] = replicated[0]

@@ -152,15 +152,18 @@ class FetchMapper:
   def _split_taskgraph(self, t):
     plan = self.parallel.plan
     tg = plan.op_index.get(t.op.name, (None, None))[0]
-    return tg if tg is not None and plan.is_split(tg) else None
+    return tg if tg is not None and plan.stride(tg) > 1 else None
 
   def _per_replica(self, tg, t):
-    """A split TaskGraph's tensor in each local replica, and the replicas' row weights."""
-    worker, k = self.parallel.worker, self.parallel.plan.shards
+    """The tensor of a TaskGraph that runs in only some copies (split: once per replica; a
+    stage on fewer devices: every ``stride``-th copy) in each of its runs and micro-batches,
+    and their row weights."""
+    worker, plan = self.parallel.worker, self.parallel.plan
+    k, micro = plan.shards, self._clones.num_micro_batch
     leads = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
-    pieces = [self._clones.tensor(c, t) for c in leads]
+    pieces = [self._clones.tensor(c, t, m) for c in leads for m in range(micro)]
     weights = None
-    if self._weights is not None and k > 1:
+    if self._weights is not None and plan.stride(tg) == k and micro == 1:
       with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
           tf.device(self.parallel.worker.host):
         weights = tf.reduce_mean(tf.reshape(self._weights, [-1, k]), axis=1)

@@ -78,21 +78,26 @@ class ParallelGraph:
             for c in range(self.num_copies) if self.worker.runs(c, t.index))
       else:
         where = "devices " + ", ".join(self.worker.device_of(c, t.index)
-                                       for c in range(self.num_copies))
+                                       for c in range(self.num_copies)
+                                       if self.worker.runs(c, t.index))
       lines.append("TaskGraph %d %r: forward %d, backward %d, apply %d ops; %s" % (
           t.index, t.name, counts["forward"], counts["backward"], counts["apply"], where))
     lines.extend(self._split_lines())
     return "\n".join(lines)
 
   def _split_lines(self):
-    """Each split TaskGraph's boundary: the tensors crossing it and what carries them."""
+    """Each boundary of a split TaskGraph, or of a stage on fewer devices than the widest: the
+    tensors crossing it and what carries them."""
     plan, bridges = self.plan, self.results.get("bridge")
     if not plan.crossings:
       return []
-    out = ["Split boundaries (%d crossing tensor(s); %s):" % (
-        len(plan.crossings), "one copy per replica: TF send/recv" if bridges is None or
-        not bridges.built else "%d gather(s) into split parts, %d scatter(s) out" % (
-            bridges.count("gather"), bridges.count("scatter")))]
+    split = any(plan.is_split(t.index) for t in plan.taskgraphs)
+    out = ["%s boundaries (%d crossing tensor(s); %s):" % (
+        "Split" if split else "Stage", len(plan.crossings),
+        "one copy per replica: TF send/recv" if bridges is None or not bridges.built else
+        "%d gather(s) into %s, %d scatter(s) out" % (
+            bridges.count("gather"), "split parts" if split else "stages on fewer devices",
+            bridges.count("scatter")))]
     for x in plan.crossings:
       out.append("  %s -> %s: %s" % (plan.taskgraphs[x.source].name,
                                      plan.taskgraphs[x.destination].name, x))

@@ -1,8 +1,9 @@
 """One worker of a multi-worker parity run (started by epl-launch from the tests).
 
-usage: dp_worker.py OUT_DIR MODEL STEPS BATCH
+usage: dp_worker.py OUT_DIR MODEL STEPS BATCH [COUNTS]
 Reads OUT_DIR/data.npz and OUT_DIR/initial.npz, trains on this worker's shard (by
 worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final variables.
+COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices.
 """
 import os
 import sys
@@ -36,10 +37,13 @@ def main():
   config = epl.Config()
   cluster = epl.cluster.Cluster.from_environment(
       config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
+  counts = [int(c) for c in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
+  replicas = cluster.gpu_num_per_worker // sum(counts)
   data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
-               cluster.gpu_num_per_worker * config.pipeline.num_micro_batch, batch, steps)
-  res = run_model(getattr(models, model), data, batch, steps, config=config,
-                  strategies=[lambda: epl.replicate(1)], initial=initial)
+               replicas * config.pipeline.num_micro_batch, batch, steps)
+  res = run_model(getattr(models, model), data, batch, steps, config=config, initial=initial,
+                  strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
+                              for i, k in enumerate(counts)])
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
   owners = sorted((zero.owners if zero is not None else {}).values())
   # bytes of the user's trained variables placed on this worker's task (ZeRO v2: its share)
