@@ -144,6 +144,7 @@ class Recorder:
   def __init__(self, graph):
     self.graph = graph
     self.specs = []          # TaskGraphSpec, in creation order
+    self.micro_batches = None  # auto.auto_parallel's planner: micro-batches per step
     self._starts = []        # segment start versions (sorted)
     self._owners = []        # TaskGraph index per segment
     self._default = None     # TaskGraph index of the current default strategy
@@ -200,12 +201,14 @@ class Recorder:
     self._default = spec.index
     self._segment(spec.index)
 
-  def auto_stages(self, starts, location):
-    """``auto.auto_parallel``: TaskGraphs ``stage_0..stage_k-1`` of replicate(1), stage i
-    holding the ops of rank > ``starts[i]`` (``starts[0]`` is 0) up to the next start."""
+  def auto_stages(self, starts, location, counts=None):
+    """``auto.auto_parallel``: TaskGraphs ``stage_0..stage_k-1`` of replicate(counts[i]
+    (default 1)), stage i holding the ops of rank > ``starts[i]`` (``starts[0]`` is 0) up to
+    the next start."""
     assert not self.specs and starts and starts[0] == 0
     for i in range(len(starts)):
-      self.specs.append(TaskGraphSpec(i, REPLICATE, 1, "stage_%d" % i, location))
+      self.specs.append(TaskGraphSpec(i, REPLICATE, counts[i] if counts else 1,
+                                      "stage_%d" % i, location))
     self._starts, self._owners = list(starts), list(range(len(starts)))
 
   def add_shard_interval(self, first, last, shard):

@@ -420,6 +420,22 @@ def test_accept_keeps_the_plan_to_what_the_runtime_runs():
   assert plan.speedup <= free.speedup * (1 + 1e-9)
 
 
+@needs_profiles
+def test_micro_batches_scores_every_plan_at_the_runtimes_count():
+  # epl keeps the global batch and trades model replicas for micro-batches: the count a plan
+  # runs at follows from its device counts, and the plan is scored (and returned) at it
+  path = shipped("gnmt-16-pbs-64")
+  asked = []
+
+  def micro(counts):
+    asked.append(counts)
+    return 16 * len(counts) if len(set(counts)) == 1 else None   # equal stages only
+  plan = plan_pipeline(path, 64, 1024, "8", cost_model="simulate", micro_batches=micro)
+  assert asked and plan.micro_batches == 16 * len(plan.stages)
+  assert len(set(plan.replicas)) == 1
+  assert plan.speedup >= plan.data_parallel_speedup * (1 - 1e-9)
+
+
 def test_vgg19_on_two_servers_is_dapples_15_to_1():
   path = shipped("vgg-19-pbs-32")
   plan = plan_pipeline(path, 32, 2048, "8,16")

@@ -1,4 +1,6 @@
 """epl.profiler: a TF model profiled per layer, in the format epl-plan reads."""
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
@@ -114,10 +116,16 @@ def test_auto_parallel_mistakes_are_clear_errors():
 
 
 def test_the_planner_is_asked_only_for_plans_epl_runs():
-  from epl.runtime.auto_stages import runnable
+  from epl.runtime.auto_stages import epl_layout, runnable
   accept = runnable(4)
   assert accept((4,)) and accept((2, 2)) and accept((1, 1, 1, 1))
-  assert not accept((3, 1)) and not accept((1, 1, 1)) and not accept((2, 1, 1))
+  assert accept((3, 1)) and accept((2, 1, 1))             # per-stage device counts
+  assert not accept((1, 1, 1)) and not accept((2, 1))     # not every device used
+  assert not runnable(6)((3, 2, 1))                         # 2 does not divide 3
+  assert not runnable(2, 2)((3, 1))       # a replica would span workers with device_count 3
+  assert epl_layout((4, 2), 6, 1) == (2, (2, 1))     # most replicas: 2 x (2:1)
+  assert epl_layout((2, 2), 1, 4) == (4, (1, 1)) or epl_layout((2, 2), 1, 4) == (2, (1, 1))
+  assert epl_layout((6,), 3, 2) == (6, (1,))
 
 
 def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
@@ -136,4 +144,49 @@ def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
                              [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
   for name, value in local.variables.items():
     np.testing.assert_allclose(auto.variables[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_auto_parallel_runs_the_planners_per_stage_device_counts(monkeypatch, caplog):
+  """The planner's plan with a 3:1 split of 4 devices (stage 0: embedding + two blocks on 3
+  devices, stage 1: the rest on 1) runs as replicate(3) / replicate(1) stages, at the
+  micro-batch count that keeps the data-parallel model's global batch, and trains the local
+  model (fed batches: the step's batch is the feed)."""
+  from tests import split_models as sm
+  import epl.plan.auto as auto
+  real = auto.plan_pipeline
+  asked = []
+
+  def planner(profile, pbs, gbs, devices, cost_model, accept, micro_batches):
+    asked.append((accept, micro_batches))
+    plan = real(profile, pbs, gbs, devices, cost_model=cost_model, accept=accept,
+                micro_batches=micro_batches)
+    names = [n.id for n in profile.nodes]
+    stages = (auto.Stage(0, 2, tuple(names[:3]), (0, 1, 2)),
+              auto.Stage(3, len(names) - 1, tuple(names[3:]), (3,)))
+    return dataclasses.replace(plan, stages=stages, micro_batches=micro_batches((3, 1)))
+  monkeypatch.setattr(auto, "plan_pipeline", planner)
+  data = sm.classification_data(3 * 24, 10)
+  local = sm.train(_blocks(), data, 3, 24)
+  config = epl.Config({"auto.auto_parallel": True, "pipeline.num_micro_batch": 2,
+                       "cluster.devices_per_worker": 4, "log.level": "info"})
+  with caplog.at_level("INFO", logger="epl"):
+    run = sm.train(_blocks(), data, 3, 24, config=config, initial=local.initial)
+  accept, micro_batches = asked[0]
+  assert accept((3, 1)) and not accept((2, 1))
+  # the data-parallel model is kept: 1 replica of 3 + 1 devices runs 4 x 2 micro-batches,
+  # pure data parallelism 2 (4 replicas: the same 8 batches per step)
+  assert micro_batches((3, 1)) == 8 and micro_batches((4,)) == 2 and micro_batches((2, 2)) == 4
+  plan = run.parallel.plan
+  assert plan.num_micro_batch == 8
+  assert [(t.name, t.placement.devices) for t in plan.taskgraphs] == [("stage_0", 3),
+                                                                      ("stage_1", 1)]
+  stage_of = {name: tg for name, (tg, phase) in plan.op_index.items() if phase == "forward"}
+  assert [stage_of["%s/dense/MatMul" % s] for s in (
+      "embed", "block_0", "block_1", "block_2", "block_3", "head")] == [0, 0, 0, 1, 1, 1]
+  assert any("device_count 3:1" in r.getMessage() for r in caplog.records)
+  np.testing.assert_allclose([f["loss"] for f in run.fetched],
+                             [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)

@@ -1,5 +1,9 @@
-"""Bridge pass: connect each model replica's split TaskGraphs to its copies of the replicated
-ones.
+"""Bridge pass: connect each model replica's split TaskGraphs, and its stages replicated on
+fewer devices than the widest, to its copies of the widest replicated ones.
+
+A replicated stage on d of a replica's k = ``plan.shards`` copies' devices runs in every
+(k / d)-th copy on the rows of that many copies: the same gather / scatter as a split part
+(which runs once, on all k copies' rows), over its group of copies, per micro-batch.
 
 Expects: the ``replicate`` clones and the plan's crossings (``epl.plan.split``). A split
 TaskGraph runs once per model replica (in the replica's first copy) on the whole replica's

@@ -45,7 +45,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
       rules don't cover (the message names scope, op and numbers).
     NotImplementedYetError: a combination this version does not build.
   """
-  common = dict(num_micro_batch=config.pipeline.num_micro_batch,
+  micro = recorder.micro_batches or config.pipeline.num_micro_batch   # planner's, if any
+  common = dict(num_micro_batch=micro,
                 pipeline_strategy=config.pipeline.strategy,
                 hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)),
                 communication=communication(config), has_gpu=cluster.has_gpu,
@@ -80,7 +81,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                                       recorder.exchange_axes)
   colocate = config.cluster.colocate_split_and_replicate
   copies = _layout(placements, colocate, cluster)
-  schedule = make_schedule(config.pipeline.strategy, len(tgs), config.pipeline.num_micro_batch)
+  schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
   return ParallelPlan(
       tgs, copies, _shards(placements),
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),

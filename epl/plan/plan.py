@@ -71,7 +71,9 @@ class Gradient:
 
 @dataclasses.dataclass(frozen=True)
 class Crossing:
-  """A tensor of the user's graph that flows between a replicated and a split TaskGraph.
+  """A tensor of the user's graph that flows between a replicated and a split TaskGraph, or
+  between replicated TaskGraphs with different device counts (``gather``: into the one on
+  fewer devices).
 
   ``gather``: into the split TaskGraph (each replica's split part reads all its copies'
   values: their rows concatenated when ``batch_major``, else copy 0's value -- or, for a

@@ -11,11 +11,18 @@ written the scopes, and the normal rewrite follows (micro-batches from
 ``pipeline.num_micro_batch``, data parallelism over the rest of the devices).
 
 Without ``pipeline.num_stages`` (-1), the planner (``epl.plan.auto.plan_pipeline``, simulate
-cost model) chooses the number of stages for the job's devices from the same profile; one
-stage is plain data parallelism. The micro-batch count stays the configured one: it decides
-how many batches a step reads, i.e. which model is trained.
+cost model) chooses the stages, their layers and each stage's device count for the job's
+devices from the same profile, among the plans epl runs (``epl_layout``: e.g. 3:1 on 4
+devices); one stage is plain data parallelism. The model stays that of data parallelism over
+every device with the configured ``pipeline.num_micro_batch`` M: a plan with R model
+replicas of sum(d) devices runs sum(d) x M micro-batches, so every step reads the same
+R x sum(d) x M batches (the global batch) whatever the planner picks; each plan is scored
+by the cost model at that micro-batch count. With ``pipeline.num_stages`` given, the
+micro-batch count is the configured one.
 """
+import functools
 import logging
+import math
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -41,15 +48,17 @@ def annotate_stages(state):
     raise PlanError("pipeline.num_stages is %d: give the number of pipeline stages (>= 1) for "
                     "auto.auto_parallel, or leave it unset (-1) to let the planner choose" % k)
   profile = _profile(graph, recorder)
+  counts = None
   if k == -1:
-    k = _planner_stages(profile, state)
+    k, counts, cut, micro = _planner_stages(profile, state)
+    recorder.micro_batches = micro
   if len(profile.nodes) < k:
     raise PlanError(
         "auto.auto_parallel: the model has %d layer(s) (top-level name scopes: %s) but "
         "pipeline.num_stages is %d; build the model under name scopes (one per block) or lower "
         "num_stages" % (len(profile.nodes), ", ".join(n.name for n in profile.nodes) or "none",
                         k))
-  stages = balance_stages([n.compute_ms for n in profile.nodes], k)
+  stages = cut if counts else balance_stages([n.compute_ms for n in profile.nodes], k)
   _, rank = op_ranks(graph, graph.version)
   first = {}
   for op in graph.get_operations():
@@ -57,40 +66,74 @@ def annotate_stages(state):
     if layer is not None and not backward:
       first[layer] = min(first.get(layer, rank[op]), rank[op])
   starts = [0] + [first[profile.nodes[a].name] - 1 for a, _ in stages[1:]]
-  recorder.auto_stages(starts, "auto.auto_parallel")
+  recorder.auto_stages(starts, "auto.auto_parallel", counts)
   log.info("auto.auto_parallel: %d stage(s): %s", k, "; ".join(
-      "%s (%.2f ms)" % (",".join(n.name for n in profile.nodes[a:b + 1]),
-                        sum(n.compute_ms for n in profile.nodes[a:b + 1]))
-      for a, b in stages))
+      "%s (%.2f ms%s)" % (",".join(n.name for n in profile.nodes[a:b + 1]),
+                          sum(n.compute_ms for n in profile.nodes[a:b + 1]),
+                          ", device_count %d" % counts[i] if counts else "")
+      for i, (a, b) in enumerate(stages)))
 
 
-def runnable(total_devices):
-  """The planner's ``accept`` for what epl runs: every stage on one device per model replica
-  (``replicate(device_count=1)`` stages), the replicas data parallel over the rest -- so
-  every stage has the same device count and the stage count divides the job's devices."""
+def epl_layout(counts, per_worker, workers):
+  """How epl runs a plan whose stage i uses ``counts[i]`` of the job's devices: (model
+  replicas R, device_count per stage d with counts[i] = R * d[i]), or None when it cannot.
+  epl's rules: each device_count divides the largest; a replica's sum(d) devices fit a
+  worker a whole number of times, or (device_count 1 everywhere) span whole workers. The
+  most replicas win (data parallelism needs no bridging)."""
+  total = per_worker * workers
+  if sum(counts) != total:
+    return None
+  common = functools.reduce(math.gcd, counts)
+  for replicas in sorted((r for r in range(1, common + 1) if common % r == 0), reverse=True):
+    d = tuple(n // replicas for n in counts)
+    if any(max(d) % x for x in d):
+      continue
+    per = sum(d)
+    if (per <= per_worker and per_worker % per == 0) or (
+        per > per_worker and total % per == 0 and max(d) == 1):
+      return replicas, d
+  return None
+
+
+def runnable(per_worker, workers=1):
+  """The planner's ``accept`` for what epl runs (``epl_layout``): stages replicated on
+  device counts that divide one another (e.g. 2:1 per model replica), the replicas data
+  parallel over the rest of the job's devices."""
   def accept(counts):
-    return len(set(counts)) == 1 and total_devices % len(counts) == 0 and \
-        counts[0] * len(counts) == total_devices
+    return epl_layout(counts, per_worker, workers) is not None
   return accept
 
 
 def _planner_stages(profile, state):
-  """The stage count ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
+  """The plan ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
   ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
-  among the plans epl runs (``runnable``: DAPPLE's 15:1 replica counts are not among them)."""
+  among the plans epl runs (``runnable``): (stage count, device_count per stage, each stage's
+  (first, last) layer index)."""
   from epl.plan.auto import DeviceSpec, plan_pipeline
   cluster, config = state.cluster, state.config
   per_worker, workers = cluster.gpu_num_per_worker, cluster.worker_num
   devices = DeviceSpec.parse(",".join(str(per_worker * (w + 1)) for w in range(workers)))
   micro = config.pipeline.num_micro_batch
   replicas = per_worker * workers
+  def micro_batches(counts):           # the data-parallel model's global batch, kept
+    layout = epl_layout(counts, per_worker, workers)
+    return None if layout is None else sum(layout[1]) * micro
   plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                       cost_model="simulate", accept=runnable(replicas))
+                       cost_model="simulate", accept=runnable(per_worker, workers),
+                       micro_batches=micro_batches)
   k = len(plan.stages)
-  log.info("auto.auto_parallel: the planner chose %d stage(s) (%s; predicted speedup %.2f, "
-           "pure data parallelism %.2f)", k, ", ".join(str(s) for s in plan.stages),
-           plan.speedup, plan.data_parallel_speedup)
-  return k
+  copies, counts = epl_layout(plan.replicas, per_worker, workers)
+  index = {n.id: i for i, n in enumerate(profile.nodes)}
+  firsts = [0] + [min(index[node] for node in s.layers) for s in plan.stages[1:]]
+  cut = [(a, b - 1) for a, b in zip(firsts, firsts[1:] + [len(profile.nodes)])]
+  if any(a >= b for a, b in zip(firsts, firsts[1:])):              # not a chain
+    cut = balance_stages([n.compute_ms for n in profile.nodes], k)
+  log.info("auto.auto_parallel: the planner chose %d stage(s) (%s; %d model replica(s) with "
+           "device_count %s, %d micro-batch(es); predicted speedup %.2f, pure data "
+           "parallelism %.2f)", k, ", ".join(str(s) for s in plan.stages), copies,
+           ":".join(str(d) for d in counts), plan.micro_batches, plan.speedup,
+           plan.data_parallel_speedup)
+  return k, counts, cut, plan.micro_batches
 
 
 def _profile(graph, recorder):

@@ -34,7 +34,8 @@ Every model implements:
   iteration faster than this; ``quick_bound(w, placed)`` -- the same for a placed plan, cheap.
 * ``evaluate_near(w, placed, estimate)`` -- ``evaluate`` restricted to micro-batch counts
   near ``estimate``'s (the local search's neighbours); ``polish_budget`` -- its evaluations;
-  ``finalize(w, placed, estimate)`` -- the exact score of a finalist (``simulate`` replays in
+  ``finalize(w, placed, estimate, fixed=False)`` -- the exact score of a finalist (with
+  ``fixed``: at ``estimate``'s micro-batch count only) (``simulate`` replays in
   full what it extrapolated while searching).
 """
 import dataclasses

@@ -74,7 +74,7 @@ class DappleModel:
   def evaluate_near(self, w, placed, estimate):
     return self.evaluate(w, placed)
 
-  def finalize(self, w, placed, estimate):
+  def finalize(self, w, placed, estimate, fixed=False):
     return estimate                    # the formula is already exact
 
   # --- scoring ------------------------------------------------------------------------------

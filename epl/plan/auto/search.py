@@ -66,7 +66,8 @@ class _Candidate:
 
 
 def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, speeds=None,
-                  parameter_factor=4.0, schedule="1f1b", progress=None, accept=None):
+                  parameter_factor=4.0, schedule="1f1b", progress=None, accept=None,
+                  micro_batches=None):
   """Plans a pipeline for ``profile`` trained at global batch ``gbs`` on ``devices``.
 
   Args:
@@ -85,6 +86,10 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
     accept: optional ``callable(device_counts) -> bool`` over a plan's per-stage device
       counts: only plans it accepts (and pure data parallelism) are returned -- what a runtime
       can execute, e.g. epl's equal device count per stage.
+    micro_batches: optional ``callable(device_counts) -> M`` (or ``None``: cannot run): the
+      micro-batch count a runtime would use for a plan with those per-stage device counts
+      (epl keeps the global batch and trades model replicas for micro-batches); every plan
+      is then scored, and returned, at that count.
   Returns:
     ``PipelinePlan`` -- never predicted slower than pure data parallelism on the same model.
   Raises:
@@ -108,7 +113,9 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
   if accept is not None:
     found[:] = [c for c in found
                 if c is pure or accept(tuple(len(devices) for _, _, devices in c.placed))]
-  best = _final(w, model, found, pure, report)
+  if micro_batches is not None:
+    found[:], pure = _at_micro_batches(w, model, found, pure, micro_batches)
+  best = _final(w, model, found, pure, report, fixed=micro_batches is not None)
   plan = _to_plan(w, model, best, pure.estimate)
   report("done", 1, 1, str(best))
   return plan
@@ -203,7 +210,26 @@ def _polish(w, model, found, report):
       found.append(_Candidate(placed, est, len(found)))
 
 
-def _final(w, model, found, pure, report):
+def _at_micro_batches(w, model, found, pure, micro_batches):
+  """The candidates re-scored at the micro-batch count the runtime gives their device counts
+  (those it cannot run dropped), and pure data parallelism among them."""
+  kept, new_pure = [], None
+  for c in found:
+    m = micro_batches(tuple(len(devices) for _, _, devices in c.placed))
+    est = model.evaluate(w, c.placed, m) if m else None
+    if est is None:
+      continue
+    kept.append(_Candidate(c.placed, est, c.order, c.placements))
+    if c is pure:
+      new_pure = kept[-1]
+  if new_pure is None:
+    raise PlannerError("pure data parallelism cannot run at the runtime's micro-batch count "
+                       "%s for the global batch %d" % (
+                           micro_batches(tuple(len(d) for _, _, d in pure.placed)), w.gbs))
+  return kept, new_pure
+
+
+def _final(w, model, found, pure, report, fixed=False):
   """Re-scores the best plans exactly (``model.finalize``) and returns the fastest."""
   fitting = sorted((c for c in found if c.estimate.fits), key=_Candidate.key)
   if not fitting:
@@ -213,7 +239,7 @@ def _final(w, model, found, pure, report):
   finalists = [c for c in fitting[:FINALISTS] if c is not pure]
   for done, cand in enumerate(finalists):
     report("re-scoring", done, len(finalists), str(cand))
-    est = model.finalize(w, cand.placed, cand.estimate)
+    est = model.finalize(w, cand.placed, cand.estimate, **({"fixed": True} if fixed else {}))
     if est is not None and est.fits:
       final.append(_Candidate(cand.placed, est, cand.order))
   return min(final or fitting[:1], key=_Candidate.key)

@@ -215,8 +215,12 @@ class SimulateModel:
     options = (micro_batches,) if micro_batches else self.micro_batch_options(w, placed)
     return best_of(self._evaluate(w, placed, m) for m in options if self.can_run(w, placed, m))
 
-  def finalize(self, w, placed, estimate):
-    """Full replay at ``estimate``'s micro-batch count and its neighbours."""
+  def finalize(self, w, placed, estimate, fixed=False):
+    """Full replay at ``estimate``'s micro-batch count and its neighbours (``fixed``: at that
+    count only)."""
+    if fixed:
+      m = estimate.micro_batches
+      return self._evaluate(w, placed, m, exact=True) if self.can_run(w, placed, m) else None
     return self._around(w, placed, estimate.micro_batches, exact=True)
 
   def _around(self, w, placed, m, exact):
