@@ -1,6 +1,6 @@
 """Data-parallel throughput across 2 worker processes: epl vs MultiWorkerMirroredStrategy.
 
-  python bench/dp_scaling.py [--steps 60] [--width 512] [--batch 64]
+  python bench/dp_scaling.py [--steps 60] [--width 512] [--batch 64] [--fp16]
 
 Runs the same MLP (3 dense layers of ``--width``, ``--batch`` samples per worker, SGD) as
 (a) epl, 2 workers x 1 device, between-graph with TF collectives (ring on CPU),
@@ -8,7 +8,9 @@ Runs the same MLP (3 dense layers of ``--width``, ``--batch`` samples per worker
 (c) Horovod, when it is installed (``pip`` build notes in docs/benchmarks.md; never required),
 all with the same global batch, and prints samples/s of each and the ratios; then the median
 all-reduce latency of a 4 MiB float32 tensor through epl's collectives vs a bare TF collective
-(vs Horovod when installed). Every worker is a localhost process.
+(vs Horovod when installed). Every worker is a localhost process. ``--fp16`` adds epl with
+``communication.fp16`` against Horovod with ``hvd.Compression.fp16`` (the same compression
+on both sides).
 """
 import argparse
 import json
@@ -179,7 +181,9 @@ def worker_horovod(args):
   for _ in range(3):
     h = tf.layers.dense(h, args.width, activation=tf.nn.relu)
   loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10))
-  train = hvd.DistributedOptimizer(tf.train.GradientDescentOptimizer(0.01)).minimize(loss)
+  compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+  train = hvd.DistributedOptimizer(tf.train.GradientDescentOptimizer(0.01),
+                                   compression=compression).minimize(loss)
   big = tf.Variable(tf.ones([1 << 20]), name="big")
   reduced = hvd.allreduce(big.read_value())
   with tf.Session() as sess:
@@ -200,13 +204,13 @@ def worker_horovod(args):
                     "allreduce_ms": statistics.median(lat[5:]) * 1e3}))
 
 
-def run_horovod(args):
+def run_horovod(args, fp16=False):
   """Both Horovod workers under horovodrun (Gloo, localhost); their JSON lines."""
   runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
   out = subprocess.run(
       [runner, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
        os.path.abspath(__file__), "--role", "horovod", "--steps", str(args.steps), "--width",
-       str(args.width), "--batch", str(args.batch)],
+       str(args.width), "--batch", str(args.batch)] + (["--fp16"] if fp16 else []),
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
                TF_USE_LEGACY_KERAS="1"),             # tf.layers, as in epl's workers
       capture_output=True, text=True, timeout=600)
@@ -230,6 +234,7 @@ def main():
   p.add_argument("--steps", type=int, default=60)
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--fp16", action="store_true")
   args = p.parse_args()
   if args.role != "driver":
     {"epl": worker_epl, "bare": worker_bare, "mwms": worker_mwms,
@@ -260,6 +265,15 @@ def main():
     h = statistics.median(r["allreduce_ms"] for r in hvd_res)
     print("  Horovod hvd.allreduce %.1f ms, ratio epl / Horovod %.2f (target <= 1.0)" % (
         h, e / h))
+  if args.fp16:                       # the same compression on both sides
+    epl16 = sum(r["samples_per_s"] for r in run_pair(
+        "epl", args, {"EPL_COMMUNICATION_FP16": "true"}))
+    print("float16 gradients on the wire:\n  epl (communication.fp16)      %8.0f samples/s "
+          "(x%.2f of epl float32)" % (epl16, epl16 / epl_sps))
+    if hvd_res:
+      hvd16 = sum(r["samples_per_s"] for r in run_horovod(args, fp16=True))
+      print("  Horovod (Compression.fp16)    %8.0f samples/s\n  ratio epl / Horovod = %.2f"
+            % (hvd16, epl16 / hvd16))
 
 
 if __name__ == "__main__":
