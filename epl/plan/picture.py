@@ -59,6 +59,8 @@ def draw(plan, path):
             labels.setdefault(d, []).append((t, "%s · part %d/%d (replica %d)" % (
                 plan.taskgraphs[t].name, j, len(devices), copy.replica)))
         continue
+      if not plan.runs_in(copy, t):            # a stage on fewer devices: not in this copy
+        continue
       for d in devices:
         labels.setdefault(d, []).append((t, "%s · copy %d" % (plan.taskgraphs[t].name, i)))
   for d, (x, y) in centre.items():
