@@ -22,7 +22,6 @@ tensor under horovodrun (Gloo). Prints ms per variant and its ratio to the basel
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,13 +41,19 @@ VARIANTS = [
 
 
 def free_ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from epl.launch.spec import free_ports as ports       # no TF import
+  return ports(n)
+
+
+def median_ms(sess, op):
+  """Median of the last 50 of 60 timed ``sess.run(op)``, in ms."""
+  times = []
+  for _ in range(60):
+    start = time.perf_counter()
+    sess.run(op)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times[10:]) * 1e3
 
 
 def worker(variant):
@@ -81,12 +86,8 @@ def worker(variant):
   config.device_filters.append("/job:worker/task:%d" % index)
   with tf.Session(server.target, config=config) as sess:
     sess.run(tf.global_variables_initializer())
-    times = []
-    for _ in range(60):
-      start = time.perf_counter()
-      sess.run(step)
-      times.append(time.perf_counter() - start)
-  print(json.dumps({"ms": statistics.median(times[10:]) * 1e3}))
+    ms = median_ms(sess, step)
+  print(json.dumps({"ms": ms}))
 
 
 def pair(variant):
@@ -132,12 +133,8 @@ def ingraph_worker(index, hosts):
   step = tf.group(*assigns)
   with tf.Session(server.target) as sess:
     sess.run(tf.global_variables_initializer())
-    times = []
-    for _ in range(60):
-      start = time.perf_counter()
-      sess.run(step)
-      times.append(time.perf_counter() - start)
-  print(json.dumps({"ms": statistics.median(times[10:]) * 1e3}), flush=True)
+    ms = median_ms(sess, step)
+  print(json.dumps({"ms": ms}), flush=True)
 
 
 def ingraph_ms():
@@ -178,12 +175,8 @@ def horovod_worker():
   reduced = hvd.allreduce(tf.Variable(tf.ones([1 << 20])).read_value())
   with tf.Session() as sess:
     sess.run(tf.global_variables_initializer())
-    times = []
-    for _ in range(60):
-      start = time.perf_counter()
-      sess.run(reduced.op)
-      times.append(time.perf_counter() - start)
-  print(json.dumps({"ms": statistics.median(times[10:]) * 1e3}))
+    ms = median_ms(sess, reduced.op)
+  print(json.dumps({"ms": ms}))
 
 
 def main():

@@ -200,20 +200,28 @@ def _replace_update(name, mine, instead):
       compat.replace_control_inputs(waiter, {op: instead})
 
 
+def _bucket(ctx, key, names):
+  """One owner worker's variables (``key``: TaskGraph, dtype, sender) as a broadcast sees
+  them: (group, my position, the root's position, shapes, sizes)."""
+  get = ctx.graph.get_operation_by_name
+  group, me = ctx.worker.client_group(key[0])
+  root = list(ctx.plan.clients).index(key[2])
+  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
+  if not all(s.is_fully_defined() for s in shapes):
+    raise NotImplementedYetError(
+        "zero.level %s across workers needs variables of static shape; %s has %s" % ((
+            ctx.plan.memory.zero,) + next((v, s) for v, s in zip(names, shapes)
+                                          if not s.is_fully_defined())))
+  return group, me, root, shapes, [s.num_elements() for s in shapes]
+
+
 def _broadcast_bucket(ctx, key, names, owners, local, updates):
   """Across workers: the variables one worker owns (of one TaskGraph and dtype), updated,
   broadcast from it in one fused collective; every other worker assigns them to its copies."""
   graph, worker, clones = ctx.graph, ctx.worker, ctx.clones()
   get = graph.get_operation_by_name
   tg, _, sender = key
-  group, me = worker.client_group(tg)
-  root = list(ctx.plan.clients).index(sender)
-  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
-  if not all(s.is_fully_defined() for s in shapes):
-    raise NotImplementedYetError(
-        "zero.level v0 across workers needs variables of static shape; %s has %s" % next(
-            (v, s) for v, s in zip(names, shapes) if not s.is_fully_defined()))
-  sizes = [s.num_elements() for s in shapes]
+  group, me, root, shapes, sizes = _bucket(ctx, key, names)
   dtype = tf.as_dtype(get(names[0]).get_attr("dtype")).base_dtype
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.device(group[me]), tf.name_scope("epl_zero"):
@@ -338,14 +346,7 @@ def _gather_bucket(ctx, key, names, updates, exchanged):
   graph, worker = ctx.graph, ctx.worker
   get = graph.get_operation_by_name
   tg, dtype_name, sender = key
-  group, me = worker.client_group(tg)
-  root = list(ctx.plan.clients).index(sender)
-  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
-  if not all(s.is_fully_defined() for s in shapes):
-    raise NotImplementedYetError(
-        "zero.level v2 across workers needs variables of static shape; %s has %s" % next(
-            (v, s) for v, s in zip(names, shapes) if not s.is_fully_defined()))
-  sizes = [s.num_elements() for s in shapes]
+  group, me, root, shapes, sizes = _bucket(ctx, key, names)
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_zero"):
     if worker.index == sender:
