@@ -227,3 +227,34 @@ def test_every_step_gets_the_collective_deadline_and_keeps_the_users_options():
   assert traced.timeout_in_ms == 60000               # the user's object is not changed
   shorter = tf.RunOptions(timeout_in_ms=2000)
   assert step_deadline(shorter, 8) is shorter        # a tighter deadline the user set stays
+
+
+def test_a_step_ended_by_a_duplicate_request_here_or_on_a_peer_runs_again():
+  """TF rejects about one step in 100k as a duplicate request; its cleanup on that worker
+  also ends the peer's part of the step ("Delete called on non-empty BufRendezvous": the
+  peer's collective was waiting there). Both run the same step again (same collective step
+  id); anything else -- or a step that keeps failing -- is raised."""
+  import tensorflow.compat.v1 as tf
+  from epl.runtime import faults
+  duplicate = tf.errors.AbortedError(None, None, "The request was received twice: 123")
+  peer = tf.errors.InternalError(None, None, "From /job:worker/replica:0/task:1:\n"
+                                             "Delete called on non-empty BufRendezvous")
+  other = tf.errors.InternalError(None, None, "Matrix size-incompatible")
+  assert faults.is_rerunnable(duplicate) and faults.is_rerunnable(peer)
+  assert not faults.is_rerunnable(other)
+
+  def failing(*errors):
+    left = list(errors)
+
+    def run():
+      if left:
+        raise left.pop(0)
+      return "done"
+    return run
+  seen = []
+  assert faults.with_reruns(failing(duplicate, peer), 3, seen.append) == "done"
+  assert seen == [duplicate, peer]
+  with pytest.raises(tf.errors.InternalError, match="size-incompatible"):
+    faults.with_reruns(failing(other), 3, seen.append)
+  with pytest.raises(tf.errors.InternalError, match="BufRendezvous"):
+    faults.with_reruns(failing(peer, peer, peer, peer), 3, lambda e: None)

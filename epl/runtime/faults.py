@@ -41,6 +41,35 @@ def is_duplicate_request(error):
   return isinstance(error, tf.errors.AbortedError) and "request was received twice" in str(error)
 
 
+def is_peer_rerun(error):
+  """The other side of a rejected duplicate request: while a peer's rejected step was
+  cleaned up on its task, this worker's collective was waiting there for the peer's buffer
+  of that step, and TF ends it with "Delete called on non-empty BufRendezvous"
+  (tensorflow/core/common_runtime/buf_rendezvous.cc). The peer runs the same step again
+  (``is_duplicate_request``) with the same collective step id, which this worker's failed
+  step did not retire either, so running this step again meets it. What the step computed
+  before its collective ran again (an iterator yields one more batch); nothing was
+  updated, as every update waits for the gradients' collective."""
+  return isinstance(error, tf.errors.InternalError) and \
+      "Delete called on non-empty BufRendezvous" in str(error)
+
+
+def is_rerunnable(error):
+  return is_duplicate_request(error) or is_peer_rerun(error)
+
+
+def with_reruns(run, reruns, on_rerun):
+  """``run()``, run again (at most ``reruns`` more times, calling ``on_rerun(error)`` before
+  each) while it fails with a rerunnable error (``is_rerunnable``)."""
+  for attempt in range(reruns + 1):
+    try:
+      return run()
+    except (tf.errors.AbortedError, tf.errors.InternalError) as e:
+      if attempt == reruns or not is_rerunnable(e):
+        raise
+      on_rerun(e)
+
+
 def reachable(address, timeout=2.0):
   host, port = address.rsplit(":", 1)
   try:

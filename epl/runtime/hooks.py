@@ -174,19 +174,19 @@ class Dispatcher:
       return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
     if self._peers is None:
       self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout)
+
+    def once():
+      with self._peers:
+        return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+
+    def rerun(e):
+      self.retried_steps += 1
+      log.warning("TensorFlow rejected a step as a duplicate request (a TF request-id "
+                  "collision, about once per 100k steps)%s; running the same step again "
+                  "(%d so far)", "" if faults.is_duplicate_request(e) else
+                  " on a peer, which ended this worker's part of it", self.retried_steps)
     try:
-      try:
-        with self._peers:
-          return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
-      except tf.errors.AbortedError as e:
-        if not faults.is_duplicate_request(e):
-          raise
-        self.retried_steps += 1
-        log.warning("TensorFlow rejected a step as a duplicate request (a TF request-id "
-                    "collision, about once per 100k steps); running the same step again "
-                    "(%d so far)", self.retried_steps)
-        with self._peers:
-          return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+      return faults.with_reruns(once, RERUNS, rerun)
     except faults.LOST as e:
       error = faults.peer_error(e, state.cluster, plan.communication.timeout)
       log.error("%s", error)
@@ -203,6 +203,11 @@ class Dispatcher:
     if writes and sync is not None:
       original(session, sync, options=options)
     return result
+
+
+# a step ended by TF's duplicate-request rejection (here or on a peer) runs again at most
+# this many times (the peers' reruns of it may meet a not yet cleaned-up attempt once more)
+RERUNS = 3
 
 
 def _rank_of(graph, op):
