@@ -87,8 +87,9 @@ def _train_model(strategies, devices):
 
 
 def test_device_count_larger_than_the_worker():
-  with pytest.raises(PlanError, match=r"replicate 'big' asks for device_count=3 but the worker "
-                     r"has 2 device\(s\); lower device_count or launch with --gpu_per_worker 3"):
+  with pytest.raises(PlanError, match=r"replicate 'big' asks for device_count=3 but the job "
+                     r"has 2 device\(s\); lower device_count or launch more workers / "
+                     r"--gpu_per_worker 3"):
     _train_model([epl.replicate(3, name="big")], devices=2)
 
 

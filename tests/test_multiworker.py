@@ -117,12 +117,16 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
     assert all(d == "float32" for r in results for d in r["__reduce_dtypes__"])
 
 
-def test_stages_with_different_device_counts_across_workers(tmp_path):
-  """A 2:1 pipeline (stage_0 on 2 devices, stage_1 on 1) with 2 micro-batches, one model
-  replica per worker on 2 workers x 3 devices: the stages' gradients are all-reduced across
-  the workers, and the job trains the local model."""
-  workers, devices, steps, batch, micro = 2, 3, 5, 4, 2
-  global_batch = workers * batch * micro
+@pytest.mark.parametrize("counts,devices,batch", [("2,1", 3, 4), ("3,1", 2, 6)],
+                         ids=["2:1, a replica per worker", "3:1, one replica on both workers"])
+def test_stages_with_different_device_counts_across_workers(tmp_path, counts, devices, batch):
+  """Pipelines with per-stage device counts and 2 micro-batches on 2 workers: 2:1 with one
+  model replica per worker (x 3 devices; the stages' gradients all-reduced across the
+  workers), and 3:1 as one replica spanning 2 workers x 2 devices (worker 0 drives it, its
+  stage_0 copy on worker 1 too; worker 1 serves). Each trains the local model."""
+  workers, steps, micro = 2, 5, 2
+  clients = workers * devices // sum(int(c) for c in counts.split(","))
+  global_batch = clients * batch * micro
   rng = np.random.RandomState(3)
   x = rng.randn(steps * global_batch, 8).astype(np.float32)
   y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
@@ -131,15 +135,39 @@ def test_stages_with_different_device_counts_across_workers(tmp_path):
   np.savez(tmp_path / "initial.npz", **local.initial)
   out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
                 "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp_two_stages",
-                str(steps), str(batch), "2,1"], env={"EPL_PIPELINE_NUM_MICRO_BATCH": str(micro)})
+                str(steps), str(batch), counts],
+               env={"EPL_PIPELINE_NUM_MICRO_BATCH": str(micro)})
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(workers)]
+  client_workers = range(0, workers, workers // clients)        # the others only serve
+  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in client_workers]
   losses = np.mean([r["__losses__"] for r in results], axis=0)
   assert (np.abs(losses - local.losses) <= 1e-5 * np.maximum(1, np.abs(local.losses))).all(), \
       (losses, local.losses)
   for r in results:
     for name, value in local.variables.items():
       np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_replica_spanning_workers_with_zero_v2(tmp_path):
+  """replicate(device_count=4) on 2 workers x 2 devices: one model replica, driven by worker 0
+  (its copies on worker 1's devices too; worker 1 serves), with zero.level v2 -- all inside
+  one session, so ZeRO's in-worker path; trains the local model."""
+  steps, batch = 5, 8
+  rng = np.random.RandomState(5)
+  x = rng.randn(steps * batch, 8).astype(np.float32)
+  y = rng.randint(0, 4, steps * batch).astype(np.int64)
+  local = run_model(models.mlp, (x, y), batch, steps)
+  np.savez(tmp_path / "data.npz", x=x, y=y)
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps), str(batch),
+                "4"], env={"EPL_ZERO_LEVEL": "v2"})
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  r = dict(np.load(tmp_path / "worker_0.npz"))
+  assert sorted(set(r["__zero_owners__"])) == [0, 1, 2, 3]
+  np.testing.assert_allclose(r["__losses__"], local.losses, rtol=1e-5, atol=1e-5)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_epl_launch_runs_the_quickstart_example(tmp_path):

@@ -122,7 +122,8 @@ def test_the_planner_is_asked_only_for_plans_epl_runs():
   assert accept((3, 1)) and accept((2, 1, 1))             # per-stage device counts
   assert not accept((1, 1, 1)) and not accept((2, 1))     # not every device used
   assert not runnable(6)((3, 2, 1))                         # 2 does not divide 3
-  assert not runnable(2, 2)((3, 1))       # a replica would span workers with device_count 3
+  assert runnable(2, 2)((3, 1))          # one replica spanning 2 workers (worker 0 drives it)
+  assert not runnable(4, 2)((3, 3, 2))                   # 2 does not divide 3
   assert epl_layout((4, 2), 6, 1) == (2, (2, 1))     # most replicas: 2 x (2:1)
   assert epl_layout((2, 2), 1, 4) == (4, (1, 1)) or epl_layout((2, 2), 1, 4) == (2, (1, 1))
   assert epl_layout((6,), 3, 2) == (6, (1,))

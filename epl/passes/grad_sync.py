@@ -197,9 +197,9 @@ def _reduce(ctx, items, report):
   # zero.level v1: each gradient is summed where its owner is, the only copy whose update
   # reads it -- inside one worker on the owner's device, across workers by a reduce-scatter
   # (v2 across workers too: the owner's is the only copy that holds the variable)
-  across_v2 = plan.memory.zero == "v2" and plan.worker_num > 1
+  across_v2 = plan.memory.zero == "v2" and len(plan.clients) > 1
   owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" or across_v2 else {}
-  scatter = bool(owners) and plan.worker_num > 1
+  scatter = bool(owners) and len(plan.clients) > 1
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
       _gather_sparse(ctx, item, report)

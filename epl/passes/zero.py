@@ -130,7 +130,7 @@ def zero(ctx):
     for group in op.colocation_groups():
       colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
   if level == "v2":
-    if plan.worker_num > 1:
+    if len(plan.clients) > 1:
       _partition_across(ctx, owners, updates, partitioned, colocated, local)
     else:
       _partition_weights(ctx, owners, updates, partitioned, colocated)
@@ -165,7 +165,7 @@ def zero(ctx):
           for i, t in enumerate(consumer.inputs):
             if t is clone.outputs[0]:
               compat.update_input(consumer, i, user.outputs[0])
-    if plan.worker_num > 1:
+    if len(plan.clients) > 1:
       dtype = tf.as_dtype(get(name).get_attr("dtype")).base_dtype.name
       buckets.setdefault((tg, dtype, job[k].client), []).append(name)
     if not here:

@@ -109,9 +109,7 @@ def _placements(specs, config, cluster):
   devices_here = cluster.gpu_num_per_worker
   total = devices_here * cluster.worker_num
   has_split = any(spec.kind == SPLIT for spec in specs)
-  # with a split TaskGraph a model replica may span workers (its client drives it all)
-  room, where = (total, "the job has") if has_split else (devices_here, "the worker has")
-  out = []
+  out = []                # a model replica may span workers (its client drives it all)
   for spec in specs:
     if spec.kind == SPLIT:
       k = spec.device_count or total
@@ -122,10 +120,10 @@ def _placements(specs, config, cluster):
       out.append(Split(k))
       continue
     k = spec.device_count or 1
-    if k > room:
+    if k > total:
       raise PlanError(
-          "%s %r asks for device_count=%d but %s %d device(s); lower device_count or launch "
-          "with --gpu_per_worker %d" % (spec.kind, spec.name, k, where, room, k))
+          "%s %r asks for device_count=%d but the job has %d device(s); lower device_count or "
+          "launch more workers / --gpu_per_worker %d" % (spec.kind, spec.name, k, total, k))
     out.append(Replicate(k))
   counts = [p.devices for p in out if p.kind == REPLICATE]
   if len(set(counts)) > 1:
@@ -170,13 +168,10 @@ def _placements(specs, config, cluster):
         "one model replica needs %d device(s) (%s) but the worker has %d; the job's devices "
         "must be a multiple of a replica's needs: launch with --gpu_per_worker %d (or a "
         "multiple), or change device_count" % (per_replica, detail, devices_here, per_replica))
-  spans = not has_split and counts and max(counts) > 1
-  if per_replica > devices_here and (total % per_replica or spans):
+  if per_replica > devices_here and total % per_replica:
     raise PlanError(
         "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
-        "device(s) are not a multiple of it%s" % (
-            per_replica, detail, devices_here, total,
-            " (device_count > 1 cannot span workers)" if spans else ""))
+        "device(s) are not a multiple of it" % (per_replica, detail, devices_here, total))
   return out
 
 

@@ -78,8 +78,9 @@ def epl_layout(counts, per_worker, workers):
   """How epl runs a plan whose stage i uses ``counts[i]`` of the job's devices: (model
   replicas R, device_count per stage d with counts[i] = R * d[i]), or None when it cannot.
   epl's rules: each device_count divides the largest; a replica's sum(d) devices fit a
-  worker a whole number of times, or (device_count 1 everywhere) span whole workers. The
-  most replicas win (data parallelism needs no bridging)."""
+  worker a whole number of times, or span workers (the job's devices a multiple of them:
+  its first device's worker drives it). The most replicas win (data parallelism needs no
+  bridging)."""
   total = per_worker * workers
   if sum(counts) != total:
     return None
@@ -89,8 +90,8 @@ def epl_layout(counts, per_worker, workers):
     if any(max(d) % x for x in d):
       continue
     per = sum(d)
-    if (per <= per_worker and per_worker % per == 0) or (
-        per > per_worker and total % per == 0 and max(d) == 1):
+    if (per <= per_worker and per_worker % per == 0) or (per > per_worker and
+                                                          total % per == 0):
       return replicas, d
   return None
 

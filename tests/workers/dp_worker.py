@@ -38,9 +38,14 @@ def main():
   cluster = epl.cluster.Cluster.from_environment(
       config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
   counts = [int(c) for c in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
-  replicas = cluster.gpu_num_per_worker // sum(counts)
-  data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
-               replicas * config.pipeline.num_micro_batch, batch, steps)
+  per, here = sum(counts), cluster.gpu_num_per_worker
+  if per > here:     # a replica spans workers: the worker of its first device reads its batch
+    data = shard((raw["x"], raw["y"]), cluster.worker_num * here // per,
+                 cluster.worker_index // (per // here), config.pipeline.num_micro_batch,
+                 batch, steps)
+  else:
+    data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
+                 here // per * config.pipeline.num_micro_batch, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config, initial=initial,
                   strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
                               for i, k in enumerate(counts)])
