@@ -54,6 +54,18 @@ ZERO_V2 = {"EPL_ZERO_LEVEL": "v2", "EPL_LOG_LEVEL": "debug"}
 ZERO_V2_ACCUMULATE = dict(ZERO_V2, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 
 
+def local_run(tmp_path, model, global_batch, steps, seed):
+  """The single-device run the workers are compared with; writes the data and its initial
+  values where dp_worker.py reads them."""
+  rng = np.random.RandomState(seed)
+  x = rng.randn(steps * global_batch, 8).astype(np.float32)
+  y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
+  local = run_model(model, (x, y), global_batch, steps)
+  np.savez(tmp_path / "data.npz", x=x, y=y)
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  return local
+
+
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
     (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1), (2, 2, ZERO_V1),
@@ -67,12 +79,7 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
   global_batch = workers * devices * batch * micro
-  rng = np.random.RandomState(1)
-  x = rng.randn(steps * global_batch, 8).astype(np.float32)
-  y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
-  local = run_model(models.mlp, (x, y), global_batch, steps)
-  np.savez(tmp_path / "data.npz", x=x, y=y)
-  np.savez(tmp_path / "initial.npz", **local.initial)
+  local = local_run(tmp_path, models.mlp, global_batch, steps, seed=1)
   out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
                 "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps),
                 str(batch)], env=env)
@@ -127,12 +134,7 @@ def test_stages_with_different_device_counts_across_workers(tmp_path, counts, de
   workers, steps, micro = 2, 5, 2
   clients = workers * devices // sum(int(c) for c in counts.split(","))
   global_batch = clients * batch * micro
-  rng = np.random.RandomState(3)
-  x = rng.randn(steps * global_batch, 8).astype(np.float32)
-  y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
-  local = run_model(models.mlp_two_stages, (x, y), global_batch, steps)
-  np.savez(tmp_path / "data.npz", x=x, y=y)
-  np.savez(tmp_path / "initial.npz", **local.initial)
+  local = local_run(tmp_path, models.mlp_two_stages, global_batch, steps, seed=3)
   out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
                 "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp_two_stages",
                 str(steps), str(batch), counts],
@@ -153,12 +155,7 @@ def test_a_replica_spanning_workers_with_zero_v2(tmp_path):
   (its copies on worker 1's devices too; worker 1 serves), with zero.level v2 -- all inside
   one session, so ZeRO's in-worker path; trains the local model."""
   steps, batch = 5, 8
-  rng = np.random.RandomState(5)
-  x = rng.randn(steps * batch, 8).astype(np.float32)
-  y = rng.randint(0, 4, steps * batch).astype(np.int64)
-  local = run_model(models.mlp, (x, y), batch, steps)
-  np.savez(tmp_path / "data.npz", x=x, y=y)
-  np.savez(tmp_path / "initial.npz", **local.initial)
+  local = local_run(tmp_path, models.mlp, batch, steps, seed=5)
   out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
                 str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps), str(batch),
                 "4"], env={"EPL_ZERO_LEVEL": "v2"})

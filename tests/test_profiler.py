@@ -129,14 +129,20 @@ def test_the_planner_is_asked_only_for_plans_epl_runs():
   assert epl_layout((6,), 3, 2) == (6, (1,))
 
 
-def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
+def _local_and_auto(caplog, devices, batch):
+  """The block model trained 3 steps locally and under auto.auto_parallel (planner's choice,
+  2 micro-batches configured) on ``devices`` devices, fed ``batch`` rows per step."""
   from tests import split_models as sm
-  data = sm.classification_data(3 * 16, 10)
-  local = sm.train(_blocks(), data, 3, 16)
+  data = sm.classification_data(3 * batch, 10)
+  local = sm.train(_blocks(), data, 3, batch)
   config = epl.Config({"auto.auto_parallel": True, "pipeline.num_micro_batch": 2,
-                       "cluster.devices_per_worker": 2, "log.level": "info"})
+                       "cluster.devices_per_worker": devices, "log.level": "info"})
   with caplog.at_level("INFO", logger="epl"):
-    auto = sm.train(_blocks(), data, 3, 16, config=config, initial=local.initial)
+    return local, sm.train(_blocks(), data, 3, batch, config=config, initial=local.initial)
+
+
+def test_auto_parallel_lets_the_planner_choose_the_stages(caplog):
+  local, auto = _local_and_auto(caplog, devices=2, batch=16)
   chose = [r.getMessage() for r in caplog.records if "the planner chose" in r.getMessage()]
   assert chose, [r.getMessage() for r in caplog.records]
   k = int(chose[0].split("the planner chose ")[1].split(" ")[0])
@@ -167,12 +173,7 @@ def test_auto_parallel_runs_the_planners_per_stage_device_counts(monkeypatch, ca
               auto.Stage(3, len(names) - 1, tuple(names[3:]), (3,)))
     return dataclasses.replace(plan, stages=stages, micro_batches=micro_batches((3, 1)))
   monkeypatch.setattr(auto, "plan_pipeline", planner)
-  data = sm.classification_data(3 * 24, 10)
-  local = sm.train(_blocks(), data, 3, 24)
-  config = epl.Config({"auto.auto_parallel": True, "pipeline.num_micro_batch": 2,
-                       "cluster.devices_per_worker": 4, "log.level": "info"})
-  with caplog.at_level("INFO", logger="epl"):
-    run = sm.train(_blocks(), data, 3, 24, config=config, initial=local.initial)
+  local, run = _local_and_auto(caplog, devices=4, batch=24)
   accept, micro_batches = asked[0]
   assert accept((3, 1)) and not accept((2, 1))
   # the data-parallel model is kept: 1 replica of 3 + 1 devices runs 4 x 2 micro-batches,
