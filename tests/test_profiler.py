@@ -159,7 +159,6 @@ def test_auto_parallel_runs_the_planners_per_stage_device_counts(monkeypatch, ca
   devices, stage 1: the rest on 1) runs as replicate(3) / replicate(1) stages, at the
   micro-batch count that keeps the data-parallel model's global batch, and trains the local
   model (fed batches: the step's batch is the feed)."""
-  from tests import split_models as sm
   import epl.plan.auto as auto
   real = auto.plan_pipeline
   asked = []
