@@ -24,7 +24,12 @@ def test_each_gradient_synchronised_exactly_once(max_splits):
     trainable = sorted(v.op.name for v in tf.trainable_variables())
   synced = pg.sync_report.variables()
   assert sorted(synced) == trainable                     # every variable, once
-  assert len(pg.sync_report.buckets) == min(max_splits, len(trainable))
+  assert 1 <= len(pg.sync_report.buckets) <= max_splits
+  assert (len(pg.sync_report.buckets) > 1) == (max_splits > 1)
+  # buckets are cut in the order backprop computes the gradients: the last layer's first,
+  # so each bucket's sum starts while the earlier layers' backprop still runs
+  layers = [v.split("/")[0] for bucket in pg.sync_report.buckets for v in bucket]
+  assert layers == sorted(layers, reverse=True), layers     # dense_2, dense_1, dense
   # inside one worker the sum is in-graph (no TF collective: see epl.collectives), one AddN
   # per bucket, read by every copy
   ops = res.graph.get_operations()
@@ -32,6 +37,20 @@ def test_each_gradient_synchronised_exactly_once(max_splits):
   sums = [op for op in ops if op.type == "AddN" and "epl_all_reduce" in op.name]
   assert len(sums) == len(pg.sync_report.buckets)
   assert len(pg.sync_report.collective_ops) == len(pg.sync_report.buckets) * pg.num_copies
+
+
+@pytest.mark.parametrize("max_splits,expected", [
+    (1, [8]), (2, [5, 3]), (5, [4, 1, 1, 1, 1]), (8, [3, 1, 1, 1, 1, 1])])
+def test_buckets_end_at_the_closest_edge(max_splits, expected):
+  """A 4-layer MLP's gradients in backprop order (bias, kernel; last layer first): runs of
+  similar bytes, a big kernel is not glued to the small bias before it when that overshoots."""
+  import types
+  from epl.passes.grad_sync import _buckets
+  sizes = [10, 5120, 512, 262144, 512, 262144, 512, 262144]
+  items = [types.SimpleNamespace(size=s) for s in sizes]
+  buckets = _buckets(items, max_splits)
+  assert [len(b) for b in buckets] == expected
+  assert [i for b in buckets for i in b] == items                # contiguous, in order
 
 
 def test_copies_on_distinct_devices_and_inputs_per_replica():

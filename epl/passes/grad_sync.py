@@ -207,25 +207,45 @@ def _reduce(ctx, items, report):
     dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
     dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name,
                       -1 if scatter else owners.get(item.variable, -1)), []).append(item)
+  ready = _readiness(ctx.graph)
   for (tg, part, _, owner), group in sorted(dense.items()):
     if len(plan.group_of(tg, part)) == 1:
       continue                         # one replica of a split TaskGraph: nothing to reduce
     if scatter:
       _scatter_to_owners(ctx, tg, part, group, owners, report)
       continue
+    group = sorted(group, key=lambda item: ready[_parts(item.grad)[0].op])
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
 
 
+def _readiness(graph):
+  """Op -> its place in the order backprop computes it.
+
+  ``tf.gradients`` creates the gradient ops walking back from the loss, so creation order
+  (``Graph.get_operations``) is the order the gradients become ready: the last layer's
+  first. Buckets are cut from gradients in this order, so each bucket's all-reduce starts as
+  soon as its own layers' backprop is done and overlaps the rest, and no early gradient
+  waits for a late one (in variable order a layer's bias would hold the next layer's kernel
+  back until the end of backprop)."""
+  return {op: i for i, op in enumerate(graph.get_operations())}
+
+
 def _buckets(items, max_splits):
-  """Splits items into at most max_splits contiguous runs of similar bytes."""
-  total = sum(max(1, i.size or 1) for i in items)
-  target = total / max_splits
+  """Splits items into at most max_splits contiguous runs of similar bytes: a run ends at
+  the multiple of total/max_splits its running sum comes closest to (an item that would
+  overshoot that edge by more than the run falls short of it starts the next run)."""
+  sizes = [max(1, i.size or 1) for i in items]
+  target = sum(sizes) / max_splits
   out, current, acc = [], [], 0
-  for item in items:
+  for item, size in zip(items, sizes):
+    edge = target * (len(out) + 1)
+    if current and len(out) < max_splits - 1 and acc + size - edge > edge - acc:
+      out.append(current)
+      current = []
     current.append(item)
-    acc += max(1, item.size or 1)
+    acc += size
     if acc >= target * (len(out) + 1) and len(out) < max_splits - 1:
       out.append(current)
       current = []
