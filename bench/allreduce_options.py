@@ -9,6 +9,12 @@ ring on CPU) timing ``session.run`` of the all-reduce 60 times (median of the la
   pieces=k         the tensor cut in k all-reduces run concurrently (one group key)
   pieces=k groups  the same, each piece on its own group key (an independent channel)
   subdivs=k        TF's ring ``max_subdivs_per_device`` (the ring's own chunk pipelining)
+  recv_buf_max_chunk  the server's ``ConfigProto.experimental.recv_buf_max_chunk``: the
+                   size of the pieces a collective's buffer is cut into for gRPC (TF's
+                   default 0 means 4096 bytes; -1 means one piece)
+  gRPC ...         gRPC channel arguments through TF's ``TF_GRPC_DEFAULT_OPTIONS`` (HTTP/2
+                   frame size, write buffer) and ``TF_GRPC_WORKER_CACHE_THREADS`` (the
+                   threads polling the peers' responses)
   channels=2       ``RPCOptions.num_channels_per_target``: two gRPC channels per peer
   gather+sum       an all-gather of the whole tensor and a local sum (one round, 2x bytes)
   fp16 wire        the tensor cast to float16 for the wire (``communication.fp16``)
@@ -37,6 +43,13 @@ VARIANTS = [
     ("gather+sum", {"gather": 1}),
     ("fp16 wire", {"fp16": 1}),
     ("tiny (4 KiB)", {"elems": 1024}),
+    ("recv_buf_max_chunk=-1", {"chunk": -1}),
+    ("recv_buf_max_chunk=1 MiB", {"chunk": 1 << 20}),
+    ("gRPC max_frame_size=16 MiB", {"env": {
+        "TF_GRPC_DEFAULT_OPTIONS": "grpc.http2.max_frame_size=16777215"}}),
+    ("gRPC write_buffer_size=8 MiB", {"env": {
+        "TF_GRPC_DEFAULT_OPTIONS": "grpc.http2.write_buffer_size=8388608"}}),
+    ("gRPC worker cache threads=1", {"env": {"TF_GRPC_WORKER_CACHE_THREADS": "1"}}),
 ]
 
 
@@ -65,6 +78,8 @@ def worker(variant):
   v = json.loads(variant)
   config = tf.ConfigProto()
   config.experimental.collective_group_leader = "/job:worker/replica:0/task:0"
+  if v.get("chunk"):
+    config.experimental.recv_buf_max_chunk = v["chunk"]
   if v.get("channels"):
     config.rpc_options.num_channels_per_target = v["channels"]
   server = tf.train.Server(tf.train.ClusterSpec({"worker": conf["cluster"]["worker"]}),
@@ -96,7 +111,8 @@ def pair(variant):
       [sys.executable, os.path.abspath(__file__), "--variant", json.dumps(variant)],
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
                TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
-                                     "task": {"type": "worker", "index": i}})),
+                                     "task": {"type": "worker", "index": i}}),
+               **variant.get("env", {})),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   results = []
   for p in procs:

@@ -1,16 +1,20 @@
-"""Data-parallel throughput across 2 worker processes: epl vs MultiWorkerMirroredStrategy.
+"""Data-parallel throughput across 2 worker processes: epl vs MultiWorkerMirroredStrategy
+and Horovod.
 
-  python bench/dp_scaling.py [--steps 60] [--width 512] [--batch 64] [--fp16]
+  python bench/dp_scaling.py [--steps 200] [--repeats 3] [--width 512] [--batch 64] [--fp16]
 
 Runs the same MLP (3 dense layers of ``--width``, ``--batch`` samples per worker, SGD) as
 (a) epl, 2 workers x 1 device, between-graph with TF collectives (ring on CPU),
 (b) TF's MultiWorkerMirroredStrategy, TF2 style (tf.function train step, RING collectives),
 (c) Horovod, when it is installed (``pip`` build notes in docs/benchmarks.md; never required),
-all with the same global batch, and prints samples/s of each and the ratios; then the median
-all-reduce latency of a 4 MiB float32 tensor through epl's collectives vs a bare TF collective
-(vs Horovod when installed). Every worker is a localhost process. ``--fp16`` adds epl with
-``communication.fp16`` against Horovod with ``hvd.Compression.fp16`` (the same compression
-on both sides).
+    as it runs by default and again with ``TF_NUM_INTRAOP_THREADS`` set to the share of the
+    cores epl gives each worker sharing a host (the same thread sizing, by hand),
+all with the same global batch. The three are run ``--repeats`` times interleaved (each run a
+fresh pair of processes, so the machine's drift hits them alike) and the medians of samples/s
+and their ratios are printed; then the median all-reduce latency of a 4 MiB float32 tensor
+through epl's collectives vs a bare TF collective (vs Horovod when installed). Every worker is
+a localhost process. ``--fp16`` adds epl with ``communication.fp16`` against Horovod with
+``hvd.Compression.fp16`` (the same compression on both sides).
 """
 import argparse
 import json
@@ -204,7 +208,7 @@ def worker_horovod(args):
                     "allreduce_ms": statistics.median(lat[5:]) * 1e3}))
 
 
-def run_horovod(args, fp16=False):
+def run_horovod(args, fp16=False, env=None):
   """Both Horovod workers under horovodrun (Gloo, localhost); their JSON lines."""
   runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
   out = subprocess.run(
@@ -212,7 +216,7 @@ def run_horovod(args, fp16=False):
        os.path.abspath(__file__), "--role", "horovod", "--steps", str(args.steps), "--width",
        str(args.width), "--batch", str(args.batch)] + (["--fp16"] if fp16 else []),
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-               TF_USE_LEGACY_KERAS="1"),             # tf.layers, as in epl's workers
+               TF_USE_LEGACY_KERAS="1", **(env or {})),   # tf.layers, as in epl's workers
       capture_output=True, text=True, timeout=600)
   lines = [line[line.index("{"):] for line in out.stdout.splitlines() if "{" in line]
   if out.returncode != 0 or len(lines) < 2:
@@ -231,7 +235,8 @@ def horovod_available():
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--role", default="driver")
-  p.add_argument("--steps", type=int, default=60)
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--fp16", action="store_true")
@@ -240,37 +245,53 @@ def main():
     {"epl": worker_epl, "bare": worker_bare, "mwms": worker_mwms,
      "horovod": worker_horovod}[args.role](args)
     return
-  epl_res = run_pair("epl", args)
-  mwms_res = run_pair("mwms", args)
-  bare_res = run_pair("bare", args)
-  epl_sps = sum(r["samples_per_s"] for r in epl_res)        # workers run concurrently
-  mwms_sps = sum(r["samples_per_s"] for r in mwms_res)
-  print("MLP width %d, batch %d per worker, 2 workers x 1 device, %d timed steps" % (
-      args.width, args.batch, args.steps))
-  print("  epl                          %8.0f samples/s" % epl_sps)
-  print("  MultiWorkerMirroredStrategy  %8.0f samples/s" % mwms_sps)
-  print("  ratio epl / MWMS = %.2f (target >= 1.0)" % (epl_sps / mwms_sps))
-  hvd_res = run_horovod(args) if horovod_available() else None
-  if hvd_res:
-    hvd_sps = sum(r["samples_per_s"] for r in hvd_res)
-    print("  Horovod 0.28.1 (Gloo)        %8.0f samples/s" % hvd_sps)
-    print("  ratio epl / Horovod = %.2f (target >= 1.0)" % (epl_sps / hvd_sps))
+  share = {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+  runs = {"epl": [], "mwms": [], "hvd": [], "hvd_share": []}
+  allreduce = {"epl": [], "hvd": []}
+  have_hvd = horovod_available()
+  for _ in range(args.repeats):
+    epl_res = run_pair("epl", args)
+    runs["epl"].append(sum(r["samples_per_s"] for r in epl_res))   # workers run concurrently
+    allreduce["epl"].extend(r["allreduce_ms"] for r in epl_res)
+    runs["mwms"].append(sum(r["samples_per_s"] for r in run_pair("mwms", args)))
+    if have_hvd:
+      hvd_res = run_horovod(args)
+      runs["hvd"].append(sum(r["samples_per_s"] for r in hvd_res))
+      allreduce["hvd"].extend(r["allreduce_ms"] for r in hvd_res)
+      runs["hvd_share"].append(sum(r["samples_per_s"] for r in run_horovod(args, env=share)))
+  med = {k: statistics.median(v) for k, v in runs.items() if v}
+  print("MLP width %d, batch %d per worker, 2 workers x 1 device, %d timed steps, median of "
+        "%d interleaved runs" % (args.width, args.batch, args.steps, args.repeats))
+  print("  epl                          %8.0f samples/s  (runs: %s)" % (
+      med["epl"], " ".join("%.0f" % v for v in runs["epl"])))
+  print("  MultiWorkerMirroredStrategy  %8.0f samples/s" % med["mwms"])
+  print("  ratio epl / MWMS = %.2f (target >= 1.0)" % (med["epl"] / med["mwms"]))
+  if have_hvd:
+    print("  Horovod 0.28.1 (Gloo)        %8.0f samples/s  (runs: %s)" % (
+        med["hvd"], " ".join("%.0f" % v for v in runs["hvd"])))
+    print("  ratio epl / Horovod = %.2f (target >= 1.0); per run: %s" % (
+        med["epl"] / med["hvd"], " ".join("%.2f" % (e / h) for e, h in zip(
+            runs["epl"], runs["hvd"]))))
+    print("  Horovod, %s=%s       %8.0f samples/s  ratio epl / it = %.2f" % (
+        "TF_NUM_INTRAOP_THREADS", share["TF_NUM_INTRAOP_THREADS"], med["hvd_share"],
+        med["epl"] / med["hvd_share"]))
   else:
     print("  Horovod 0.28.1: not installed here; bash bench/build_horovod.sh builds it")
-  e = statistics.median(r["allreduce_ms"] for r in epl_res)
+  bare_res = run_pair("bare", args)
+  e = statistics.median(allreduce["epl"])
   b = statistics.median(r["allreduce_ms"] for r in bare_res)
   print("all-reduce of 4 MiB float32, 2 processes, median: epl %.1f ms, bare TF collective "
         "%.1f ms, ratio %.2f" % (e, b, e / b))
-  if hvd_res:
-    h = statistics.median(r["allreduce_ms"] for r in hvd_res)
+  if have_hvd:
+    h = statistics.median(allreduce["hvd"])
     print("  Horovod hvd.allreduce %.1f ms, ratio epl / Horovod %.2f (target <= 1.0)" % (
         h, e / h))
   if args.fp16:                       # the same compression on both sides
     epl16 = sum(r["samples_per_s"] for r in run_pair(
         "epl", args, {"EPL_COMMUNICATION_FP16": "true"}))
     print("float16 gradients on the wire:\n  epl (communication.fp16)      %8.0f samples/s "
-          "(x%.2f of epl float32)" % (epl16, epl16 / epl_sps))
-    if hvd_res:
+          "(x%.2f of epl float32)" % (epl16, epl16 / med["epl"]))
+    if have_hvd:
       hvd16 = sum(r["samples_per_s"] for r in run_horovod(args, fp16=True))
       print("  Horovod (Compression.fp16)    %8.0f samples/s\n  ratio epl / Horovod = %.2f"
             % (hvd16, epl16 / hvd16))
