@@ -76,31 +76,3 @@ def test_a_lone_virtual_device_is_the_host_itself():
   assert c.devices_of(0) == ("/device:CPU:0",) and c.session_device_count() == {"CPU": 1}
   spread = Cluster(("a:1", "b:2"), 0, 1, False)
   assert spread.device(1, 0) == "/job:worker/replica:0/task:1/device:CPU:0"
-
-
-@pytest.mark.parametrize("hosts,index,cpus,allowed,environ,threads", [
-    (("localhost:1", "127.0.0.1:2"), 0, 2, 2, {}, 1),       # 2 workers share 2 cores
-    (("localhost:1", "localhost:2"), 1, 16, 16, {}, 8),
-    (("a:1", "a:2", "b:1"), 0, 8, 8, {}, 4),
-    (("a:1", "a:2", "b:1"), 2, 8, 8, {}, None),             # alone on its host: TF's default
-    (("a:1", "b:1"), 0, 8, 8, {}, None),
-    (("a:1", "a:2"), 0, 16, 8, {}, None),                   # pinned: its pool fits already
-    (("a:1", "a:2"), 0, 16, 16, {"TF_NUM_INTRAOP_THREADS": "3"}, None),   # the user's choice
-    ((), 0, 16, 16, {}, None),                              # one local worker, no server
-])
-def test_workers_sharing_a_host_share_its_cores(hosts, index, cpus, allowed, environ,
-                                                threads):
-  from epl.runtime.server import intra_op_threads
-  assert intra_op_threads(hosts, index, cpus, allowed, environ) == threads
-
-
-def test_the_server_of_a_worker_sharing_its_host_takes_its_share(monkeypatch):
-  import os
-  from epl.runtime.server import server_config
-  monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
-  hosts = ("localhost:1", "localhost:2")
-  config = server_config(Cluster(hosts, 1, 1, False))
-  pinned = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < os.cpu_count()
-  assert config.intra_op_parallelism_threads == (0 if pinned else max(1, os.cpu_count() // 2))
-  monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "1")
-  assert server_config(Cluster(hosts, 1, 1, False)).intra_op_parallelism_threads == 0

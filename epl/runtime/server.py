@@ -7,7 +7,6 @@ graph runs, all workers meet in a barrier (a one-element all-reduce with a deadl
 worker that never starts becomes an error on the others instead of an endless wait.
 """
 import logging
-import os
 import time
 
 import tensorflow.compat.v1 as tf
@@ -36,41 +35,7 @@ def server_config(cluster):
     # the server's worker runs every session's ops on its own pool (sessions on a server
     # cannot have per-session pools): size it for the virtual devices
     config.inter_op_parallelism_threads = 2 * cluster.gpu_num_per_worker + 2
-  threads = intra_op_threads(cluster.worker_hosts, cluster.worker_index)
-  if threads:
-    config.intra_op_parallelism_threads = threads
   return config
-
-
-_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]", "")
-
-
-def intra_op_threads(hosts, index, cpus=None, allowed=None, environ=None):
-  """This worker's share of its host's cores when several workers of the job share the
-  host, or None to keep TF's default.
-
-  TF sizes each process's intra-op pool to every core of the machine, so k workers on one
-  host run k such pools on the same cores: oversubscribed (bench/dp_scaling.py: 2 workers on
-  2 cores train 4-7 % faster with one intra-op thread each). Like torchrun's one OpenMP
-  thread per process, each worker gets cores // k. Kept as TF's default when the worker is
-  alone on its host, when it was pinned to fewer cores than the machine has (its pool then
-  already fits its cores), or when ``TF_NUM_INTRAOP_THREADS`` is set (the user's choice).
-  """
-  environ = os.environ if environ is None else environ
-  if environ.get("TF_NUM_INTRAOP_THREADS"):
-    return None
-  sharing = sum(_host(h) == _host(hosts[index]) for h in hosts) if hosts else 1
-  cpus = cpus or os.cpu_count() or 1
-  if not allowed:
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-  if sharing <= 1 or allowed < cpus:
-    return None
-  return max(1, cpus // sharing)
-
-
-def _host(address):
-  name = address.rsplit(":", 1)[0]
-  return "localhost" if name in _LOOPBACK else name
 
 
 def start_server(cluster):
