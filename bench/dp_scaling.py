@@ -2,14 +2,14 @@
 and Horovod.
 
   python bench/dp_scaling.py [--steps 200] [--repeats 3] [--width 512] [--batch 64] [--fp16]
+                             [--intra-op N]
 
 Runs the same MLP (3 dense layers of ``--width``, ``--batch`` samples per worker, SGD) as
 (a) epl, 2 workers x 1 device, between-graph with TF collectives (ring on CPU),
 (b) TF's MultiWorkerMirroredStrategy, TF2 style (tf.function train step, RING collectives),
 (c) Horovod, when it is installed (``pip`` build notes in docs/benchmarks.md; never required),
-    as it runs by default and again with ``TF_NUM_INTRAOP_THREADS`` set to the share of the
-    cores epl gives each worker sharing a host (the same thread sizing, by hand),
-all with the same global batch. The three are run ``--repeats`` times interleaved (each run a
+all with the same global batch and TF's default threads (``--intra-op N`` sets
+``TF_NUM_INTRAOP_THREADS`` for every process of all three). The three are run ``--repeats`` times interleaved (each run a
 fresh pair of processes, so the machine's drift hits them alike) and the medians of samples/s
 and their ratios are printed; then the median all-reduce latency of a 4 MiB float32 tensor
 through epl's collectives vs a bare TF collective (vs Horovod when installed). Every worker is
@@ -208,7 +208,7 @@ def worker_horovod(args):
                     "allreduce_ms": statistics.median(lat[5:]) * 1e3}))
 
 
-def run_horovod(args, fp16=False, env=None):
+def run_horovod(args, fp16=False):
   """Both Horovod workers under horovodrun (Gloo, localhost); their JSON lines."""
   runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
   out = subprocess.run(
@@ -216,7 +216,7 @@ def run_horovod(args, fp16=False, env=None):
        os.path.abspath(__file__), "--role", "horovod", "--steps", str(args.steps), "--width",
        str(args.width), "--batch", str(args.batch)] + (["--fp16"] if fp16 else []),
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-               TF_USE_LEGACY_KERAS="1", **(env or {})),   # tf.layers, as in epl's workers
+               TF_USE_LEGACY_KERAS="1"),             # tf.layers, as in epl's workers
       capture_output=True, text=True, timeout=600)
   lines = [line[line.index("{"):] for line in out.stdout.splitlines() if "{" in line]
   if out.returncode != 0 or len(lines) < 2:
@@ -240,13 +240,15 @@ def main():
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--fp16", action="store_true")
+  p.add_argument("--intra-op", type=int, default=0)
   args = p.parse_args()
   if args.role != "driver":
     {"epl": worker_epl, "bare": worker_bare, "mwms": worker_mwms,
      "horovod": worker_horovod}[args.role](args)
     return
-  share = {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-  runs = {"epl": [], "mwms": [], "hvd": [], "hvd_share": []}
+  if args.intra_op:
+    os.environ["TF_NUM_INTRAOP_THREADS"] = str(args.intra_op)   # inherited by every worker
+  runs = {"epl": [], "mwms": [], "hvd": []}
   allreduce = {"epl": [], "hvd": []}
   have_hvd = horovod_available()
   for _ in range(args.repeats):
@@ -258,10 +260,11 @@ def main():
       hvd_res = run_horovod(args)
       runs["hvd"].append(sum(r["samples_per_s"] for r in hvd_res))
       allreduce["hvd"].extend(r["allreduce_ms"] for r in hvd_res)
-      runs["hvd_share"].append(sum(r["samples_per_s"] for r in run_horovod(args, env=share)))
   med = {k: statistics.median(v) for k, v in runs.items() if v}
   print("MLP width %d, batch %d per worker, 2 workers x 1 device, %d timed steps, median of "
-        "%d interleaved runs" % (args.width, args.batch, args.steps, args.repeats))
+        "%d interleaved runs, %s" % (args.width, args.batch, args.steps, args.repeats,
+                                    "TF_NUM_INTRAOP_THREADS=%d" % args.intra_op
+                                    if args.intra_op else "TF's default threads"))
   print("  epl                          %8.0f samples/s  (runs: %s)" % (
       med["epl"], " ".join("%.0f" % v for v in runs["epl"])))
   print("  MultiWorkerMirroredStrategy  %8.0f samples/s" % med["mwms"])
@@ -272,9 +275,6 @@ def main():
     print("  ratio epl / Horovod = %.2f (target >= 1.0); per run: %s" % (
         med["epl"] / med["hvd"], " ".join("%.2f" % (e / h) for e, h in zip(
             runs["epl"], runs["hvd"]))))
-    print("  Horovod, %s=%s       %8.0f samples/s  ratio epl / it = %.2f" % (
-        "TF_NUM_INTRAOP_THREADS", share["TF_NUM_INTRAOP_THREADS"], med["hvd_share"],
-        med["epl"] / med["hvd_share"]))
   else:
     print("  Horovod 0.28.1: not installed here; bash bench/build_horovod.sh builds it")
   bare_res = run_pair("bare", args)
