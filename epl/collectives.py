@@ -121,11 +121,12 @@ class Collectives:
       else:
         parts, part_devices = self._chunk_sums(tensors, devices, sizes), list(devices)
         cross_groups = [tuple(ds[j] for _, ds in workers) for j in range(len(devices))]
-      if len(workers) > 1:
-        parts = [self._collective_sum(p, d, g, channel, fp16_scale)
+      mean_of = len(group) if method == "mean" else None
+      if len(workers) > 1:             # the mean folded into the collective (no extra pass)
+        parts = [self._collective_sum(p, d, g, channel, fp16_scale, mean_of)
                  for p, d, g in zip(parts, part_devices, cross_groups)]
-      if method == "mean":
-        parts = [self._scaled(p, d, 1.0 / len(group)) for p, d in zip(parts, part_devices)]
+      elif mean_of:
+        parts = [self._scaled(p, d, 1.0 / mean_of) for p, d in zip(parts, part_devices)]
       out = []
       for t, d in zip(tensors, devices):
         with tf.device(d):
@@ -162,18 +163,26 @@ class Collectives:
     with tf.device(device):
       return t * tf.cast(factor, t.dtype)
 
-  def _collective_sum(self, tensor, device, group, channel=0, fp16_scale=None):
+  def _collective_sum(self, tensor, device, group, channel=0, fp16_scale=None, mean_of=None):
+    """The sum of ``tensor`` over ``group`` (one member per worker), divided by ``mean_of``
+    when given: by the collective itself when that is its group size (its final op divides
+    only the chunk each worker owns before the chunks are gathered: no pass over the whole
+    result), else folded into the one multiply that undoes ``fp16_scale`` or a multiply."""
     key = self.group_key(group + (("channel", channel),) if channel else group)
     instance = self._instance()
+    divide = mean_of == len(group) and fp16_scale is None
     with tf.device(device):
       wire = tensor
       if fp16_scale is not None:
         wire = tf.cast(tensor * tf.cast(fp16_scale, tensor.dtype), tf.float16)
       summed = collective_ops.all_reduce_v2(
           wire, group_size=len(group), group_key=key, instance_key=instance,
-          merge_op="Add", final_op="Id", communication_hint=self.hint)
+          merge_op="Add", final_op="Div" if divide else "Id", communication_hint=self.hint)
       if fp16_scale is not None:
-        summed = tf.cast(summed, tensor.dtype) / tf.cast(fp16_scale, tensor.dtype)
+        summed = tf.cast(summed, tensor.dtype) / tf.cast(fp16_scale * (mean_of or 1),
+                                                         tensor.dtype)
+      elif mean_of and not divide:
+        summed = summed * tf.cast(1.0 / mean_of, summed.dtype)
       return summed
 
   # ---- reduce-scatter across workers ---------------------------------------------------

@@ -52,3 +52,30 @@ def test_in_worker_all_gather():
 def test_worker_of_device_names():
   assert worker_of("/job:worker/replica:0/task:3/device:CPU:1") == 3
   assert worker_of("/device:CPU:1") == 0
+
+
+@pytest.mark.parametrize("per_worker,chunked,fp16,final,multiplies", [
+    (1, False, False, b"Div", 0),      # the mean is the collective's own final op
+    (2, False, False, b"Id", 1),       # 4 copies over 2 workers: one multiply after it
+    (2, True, False, b"Id", 2),        # chunked: one multiply per chunk
+    (1, False, True, b"Id", 1),        # fp16: the mean folded into the unscaling
+])
+def test_mean_across_workers_costs_at_most_one_pass(per_worker, chunked, fp16, final,
+                                                   multiplies):
+  """Built, not run (a cross-worker collective needs servers: test_multiworker runs them)."""
+  coll = Collectives(on_gpu=False, chunked=chunked)
+  group = tuple("/job:worker/replica:0/task:%d/device:CPU:%d" % (w, d + 1)
+                for w in range(2) for d in range(per_worker))
+  g = tf.Graph()
+  with g.as_default():
+    mine = group[:per_worker]
+    xs = []
+    for d in mine:
+      with tf.device(d):
+        xs.append(tf.ones([8]))
+    coll.all_reduce(xs, mine, "mean", group=group, fp16_scale=128 if fp16 else None)
+  reduces = [op for op in g.get_operations() if op.type == "CollectiveReduceV2"]
+  assert reduces and {op.get_attr("final_op") for op in reduces} == {final}
+  ops = g.get_operations()
+  after = [op for op in ops[ops.index(reduces[0]):] if op.type in ("Mul", "RealDiv")]
+  assert len(after) == multiplies, [op.name for op in after]
