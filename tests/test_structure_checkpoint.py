@@ -53,35 +53,6 @@ def test_buckets_end_at_the_closest_edge(max_splits, expected):
   assert [i for b in buckets for i in b] == items                # contiguous, in order
 
 
-def _ancestors(op):
-  seen, todo = set(), [op]
-  while todo:
-    o = todo.pop()
-    for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-      if parent not in seen:
-        seen.add(parent)
-        todo.append(parent)
-  return seen
-
-
-def test_a_kernel_gradient_is_summed_without_waiting_for_its_input_gradient():
-  """TF1 gates a layer's kernel gradient on its input gradient (tf.tuple); the sum starts
-  from the ungated value, and the update still waits for the gate."""
-  res = _epl_run(devices=2, **{"communication.max_splits": 6})
-  pg, g = res.parallel, res.graph
-  assert ["dense_1/kernel"] in pg.sync_report.buckets, pg.sync_report.buckets
-  sums = [op for op in g.get_operations() if op.type == "AddN" and "epl_all_reduce" in op.name]
-  assert len(sums) == len(pg.sync_report.buckets)        # one per bucket, built in order
-  kernel_sum = sums[pg.sync_report.buckets.index(["dense_1/kernel"])]
-  input_grad = g.get_operation_by_name("gradients/dense_1/MatMul_grad/MatMul")
-  kernel_grad = g.get_operation_by_name("gradients/dense_1/MatMul_grad/MatMul_1")
-  assert kernel_grad in _ancestors(kernel_sum)
-  assert input_grad not in _ancestors(kernel_sum)
-  updates = [op for op in g.get_operations() if op.type.startswith("Apply")
-             and op.inputs[0].op.name == "dense_1/kernel"]
-  assert updates and all(input_grad in _ancestors(op) for op in updates)
-
-
 def test_copies_on_distinct_devices_and_inputs_per_replica():
   res = _epl_run(devices=4)
   g, rep = res.graph, res.parallel.clones()

@@ -14,9 +14,7 @@ update reads the copy's own accumulated gradient and only what ``apply_gradients
 is all-reduced (each copy clips its own gradient, then they are averaged).
 
 Dense gradients travel fused: per TaskGraph and dtype, at most ``max_splits`` buckets of
-similar size, cut in the order backprop computes them, each flattened, concatenated and
-all-reduced once, starting from the values under TF1's gradient gates (the update still
-waits for the gates). ``IndexedSlices`` are
+similar size, each flattened, concatenated and all-reduced once. ``IndexedSlices`` are
 all-gathered (values and indices), or densified first with ``sparse_as_dense``. Returns a
 ``SyncReport`` (which bucket carries each variable).
 """
@@ -265,9 +263,8 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
     with tf.device(device):
       grads = [tf.convert_to_tensor(item.per_copy[c]) for item in bucket]
       dense.append(grads)
-      raw = [_ungated(g) for g in grads]
-      flats.append(tf.concat([tf.reshape(g, [-1]) for g in raw], axis=0)
-                   if len(raw) > 1 else tf.reshape(raw[0], [-1]))
+      flats.append(tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
+                   if len(grads) > 1 else tf.reshape(grads[0], [-1]))
   comm = plan.communication
   compress = comm.fp16_scale if comm.fp16 and flats[0].dtype == tf.float32 else None
   reduced = ctx.collectives.all_reduce(flats, devices, comm.reduce_method,
@@ -281,8 +278,7 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
       sizes = [tf.size(g) if item.size is None else item.size
                for g, item in zip(dense[c], bucket)]
       pieces = tf.split(reduced[c], sizes) if len(bucket) > 1 else [reduced[c]]
-      news.append([_gated(tf.reshape, g, p, tf.shape(_ungated(g))
-                          if not g.shape.is_fully_defined() else g.shape)
+      news.append([tf.reshape(p, tf.shape(g) if not g.shape.is_fully_defined() else g.shape)
                    for p, g in zip(pieces, dense[c])])
   for i, item in enumerate(bucket):
     if isinstance(item.grad, tf.IndexedSlices):            # sparse_as_dense
@@ -291,29 +287,6 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
     else:
       _rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
   report.buckets.append([item.variable for item in bucket])
-
-
-def _ungated(grad):
-  """The gradient's value without TF1's gradient gates.
-
-  ``tf.gradients`` (``Optimizer.minimize``'s default ``GATE_OP``; ``GATE_GRAPH`` the same
-  for all of them) hands an op's input gradients out through ``tf.tuple``: Identity ops
-  with control inputs that wait for every gradient of that op, so a layer's kernel gradient
-  waits for its input gradient (the long MatMul backprop continues with). The gate keeps an
-  update from changing a variable that op's other gradient still reads; the all-reduce
-  reads only the value, so it starts from here, and ``_gated`` puts the gate back on what
-  the update reads."""
-  while grad.op.type == "Identity" and grad.op.control_inputs:
-    grad = grad.op.inputs[0]
-  return grad
-
-
-def _gated(build, grad, *args):
-  """``build(*args)`` that runs only after ``grad``'s gates (see ``_ungated``)."""
-  if _ungated(grad) is grad:
-    return build(*args)
-  with tf.control_dependencies([grad.op]):
-    return build(*args)
 
 
 def _scatter_to_owners(ctx, tg, part, items, owners, report):
