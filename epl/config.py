@@ -92,6 +92,10 @@ KEYS = {k.name: k for k in [
     _k("communication.gradients_reduce_method", "str", "mean", ("mean", "sum")),
     _k("communication.collective_timeout", "int", 300, minimum=1,
        help="seconds a collective may wait for its peers before failing (no hangs)"),
+    _k("communication.unique_request_ids", "bool", True,
+       help="multi-worker jobs draw TF's RPC request ids from one process-wide 64-bit stream, "
+            "so that TF never rejects a step as a duplicate request (False: TF's own ids; a "
+            "rejected step is then run again)"),
     _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
     _k("io.unbalanced_io_slicing", "bool", False),
     _k("io.drop_last_files", "bool", False),

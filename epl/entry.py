@@ -71,6 +71,12 @@ def init(config=None):
                                cluster.worker_index, limit)):
       state.server = server.start_server(cluster)
       server.barrier(state.server, cluster, limit, instance=server.next_barrier())
+    if config.communication.unique_request_ids:
+      why = compat.unique_request_ids()
+      if why:
+        log.warning("could not make TensorFlow's request ids unique (%s): a step TF rejects as "
+                    "a duplicate request (about once per 43,000 steps per worker) is run again",
+                    why)
   activate(state)
   if config.launch.parent_pid:
     watchdog.watch_launcher(config.launch.parent_pid)

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -229,19 +230,22 @@ def test_every_step_gets_the_collective_deadline_and_keeps_the_users_options():
   assert step_deadline(shorter, 8) is shorter        # a tighter deadline the user set stays
 
 
-def test_a_step_ended_by_a_duplicate_request_here_or_on_a_peer_runs_again():
-  """TF rejects about one step in 100k as a duplicate request; its cleanup on that worker
-  also ends the peer's part of the step ("Delete called on non-empty BufRendezvous": the
-  peer's collective was waiting there). Both run the same step again (same collective step
-  id); anything else -- or a step that keeps failing -- is raised."""
+def test_a_duplicate_request_runs_again_and_aborted_collectives_stop_the_worker():
+  """A run TF rejects as a duplicate request did not run anywhere: it runs again (a bounded
+  number of times). A collective that failed because a peer's part of the step was cleaned up
+  under it ("Delete called on non-empty BufRendezvous") has aborted every collective of the
+  process for good (TF: "Restart your program to reset"): no rerun, one error that says so.
+  tests/test_rejections.py makes both happen for real."""
+  import types
   import tensorflow.compat.v1 as tf
   from epl.runtime import faults
-  duplicate = tf.errors.AbortedError(None, None, "The request was received twice: 123")
-  peer = tf.errors.InternalError(None, None, "From /job:worker/replica:0/task:1:\n"
-                                             "Delete called on non-empty BufRendezvous")
+  duplicate = tf.errors.AbortedError(None, None, "From /job:worker/replica:0/task:1:\nThe same "
+                                     "RunGraph (Worker) request was received twice. step_id: 7")
+  aborted = tf.errors.InternalError(None, None, "From /job:worker/replica:0/task:1:\n"
+                                                "Delete called on non-empty BufRendezvous")
   other = tf.errors.InternalError(None, None, "Matrix size-incompatible")
-  assert faults.is_rerunnable(duplicate) and faults.is_rerunnable(peer)
-  assert not faults.is_rerunnable(other)
+  assert faults.is_duplicate_request(duplicate) and not faults.is_duplicate_request(aborted)
+  assert faults.collectives_aborted(aborted) and not faults.collectives_aborted(other)
 
   def failing(*errors):
     left = list(errors)
@@ -252,9 +256,19 @@ def test_a_step_ended_by_a_duplicate_request_here_or_on_a_peer_runs_again():
       return "done"
     return run
   seen = []
-  assert faults.with_reruns(failing(duplicate, peer), 3, seen.append) == "done"
-  assert seen == [duplicate, peer]
-  with pytest.raises(tf.errors.InternalError, match="size-incompatible"):
-    faults.with_reruns(failing(other), 3, seen.append)
-  with pytest.raises(tf.errors.InternalError, match="BufRendezvous"):
-    faults.with_reruns(failing(peer, peer, peer, peer), 3, lambda e: None)
+  assert faults.with_reruns(failing(duplicate, duplicate), 3,
+                            lambda e, n: seen.append(n)) == "done"
+  assert seen == [1, 2]
+  for error in (aborted, other):
+    with pytest.raises(tf.errors.InternalError):
+      faults.with_reruns(failing(error), 3, lambda e, n: seen.append(n))
+  assert seen == [1, 2]
+  with pytest.raises(faults.StepRejectedError, match="4 times in a row.*received twice"):
+    faults.with_reruns(failing(*[duplicate] * 4), 3, lambda e, n: None)
+  with socket.socket() as peer:              # the peer still accepts connections
+    peer.bind(("127.0.0.1", 0))
+    peer.listen()
+    cluster = types.SimpleNamespace(worker_index=0, worker_hosts=(
+        "localhost:1", "127.0.0.1:%d" % peer.getsockname()[1]))
+    message = str(faults.peer_error(aborted, cluster, 300))
+  assert "aborted this worker's collectives" in message and "non-empty BufRendezvous" in message

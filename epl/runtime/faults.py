@@ -28,46 +28,54 @@ class PeerError(EplError, RuntimeError):
   """A peer worker died or stalled: the job cannot continue."""
 
 
-def is_duplicate_request(error):
-  """TF 2.21 rejects a step whose RunGraph request id repeats one of the last 100,000.
+class StepRejectedError(EplError, RuntimeError):
+  """TensorFlow rejected the same step as a duplicate request more often than epl reruns it."""
 
-  The ids come from a thread-local mt19937_64 seeded with 32 random bits, and the master runs
-  every step on a new thread, so by the birthday bound a step is rejected about once per
-  65k-100k steps (tensorflow/core/distributed_runtime/request_id.cc, recent_request_ids.cc).
-  Nothing of the step ran on that worker and its collective step id is not retired, so the
-  same step can simply run again and meets its peers' collectives (measured: 152,000 steps,
-  one rejection, identical values on both workers).
+
+def is_duplicate_request(error):
+  """TF rejected a step because its RunGraph request id repeats one of the last 100,000 a
+  worker received ("The same RunGraph (Worker) request was received twice"; request_id.cc,
+  recent_request_ids.cc). The ids are drawn from a thread-local mt19937_64 seeded with 32
+  random bits on the new thread the master starts for every step, so they repeat by the
+  birthday bound -- unless epl made them unique (``communication.unique_request_ids``,
+  epl._tf_compat). Nothing of the rejected step ran on any worker (its input was not read, no
+  variable changed) and TF does not retire its collective step id, so running the same step
+  again meets the peers' collectives of that step.
   """
   return isinstance(error, tf.errors.AbortedError) and "request was received twice" in str(error)
 
 
-def is_peer_rerun(error):
-  """The other side of a rejected duplicate request: while a peer's rejected step was
-  cleaned up on its task, this worker's collective was waiting there for the peer's buffer
-  of that step, and TF ends it with "Delete called on non-empty BufRendezvous"
-  (tensorflow/core/common_runtime/buf_rendezvous.cc). The peer runs the same step again
-  (``is_duplicate_request``) with the same collective step id, which this worker's failed
-  step did not retire either, so running this step again meets it. What the step computed
-  before its collective ran again (an iterator yields one more batch); nothing was
-  updated, as every update waits for the gradients' collective."""
-  return isinstance(error, tf.errors.InternalError) and \
+def collectives_aborted(error):
+  """A collective of this worker failed while a peer's part of the step ended under it: TF
+  deleted the step's collective state on the peer (its cleanup of a failed or rejected step,
+  "Delete called on non-empty BufRendezvous") while this worker's request waited there. TF then
+  aborts every collective of this process for good (base_collective_executor.cc:
+  "Collective ops is aborted by ... Restart your program to reset"), so the step cannot run
+  again here: the worker must stop (and the job restart from its last checkpoint)."""
+  return isinstance(error, tf.errors.OpError) and \
       "Delete called on non-empty BufRendezvous" in str(error)
 
 
-def is_rerunnable(error):
-  return is_duplicate_request(error) or is_peer_rerun(error)
-
-
 def with_reruns(run, reruns, on_rerun):
-  """``run()``, run again (at most ``reruns`` more times, calling ``on_rerun(error)`` before
-  each) while it fails with a rerunnable error (``is_rerunnable``)."""
+  """``run()``, run again (at most ``reruns`` more times, calling ``on_rerun(error, count)``
+  before each) while TF rejects it as a duplicate request (``is_duplicate_request``).
+
+  Raises:
+    StepRejectedError: it was rejected ``reruns + 1`` times in a row.
+  """
   for attempt in range(reruns + 1):
     try:
       return run()
-    except (tf.errors.AbortedError, tf.errors.InternalError) as e:
-      if attempt == reruns or not is_rerunnable(e):
+    except tf.errors.AbortedError as e:
+      if not is_duplicate_request(e):
         raise
-      on_rerun(e)
+      if attempt == reruns:
+        raise StepRejectedError(
+            "TensorFlow rejected the same step as a duplicate request %d times in a row (%s); "
+            "epl runs a rejected step again at most %d times. This should not happen with "
+            "communication.unique_request_ids (the default): check the warning epl.init logged"
+            % (reruns + 1, essence(e), reruns)) from e
+      on_rerun(e, attempt + 1)
 
 
 def reachable(address, timeout=2.0):
@@ -79,8 +87,8 @@ def reachable(address, timeout=2.0):
     return False
 
 
-_TELLING = ("aborted by", "timed out", "reset", "closed", "unavailable", "failed to connect",
-            "deadline")
+_TELLING = ("non-empty bufrendezvous", "aborted by", "timed out", "reset", "closed",
+            "unavailable", "failed to connect", "deadline", "received twice")
 
 
 def essence(error):
@@ -104,6 +112,11 @@ def peer_error(error, cluster, timeout):
     what = "lost worker %s: %s no longer accept%s connections" % (
         ", ".join(str(w) for w, _ in gone), ", ".join(h for _, h in gone),
         "s" if len(gone) == 1 else "")
+  elif collectives_aborted(error):
+    what = ("TensorFlow aborted this worker's collectives (%s): a peer's part of the step "
+            "ended while this worker's collective waited on it (for example a step TF rejected "
+            "as a duplicate request on that peer), and TF cannot run collectives in this "
+            "process again" % first)
   elif isinstance(error, tf.errors.DeadlineExceededError):
     what = ("a step did not finish within communication.collective_timeout=%d s: a peer is "
             "stalled (every worker still accepts connections: %s)" % (

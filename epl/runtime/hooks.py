@@ -175,22 +175,24 @@ class Dispatcher:
     if self._peers is None:
       self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout)
 
-    def once():
+    def one_run(*args, **kwargs):
+      """One TF run; a run TF rejects as a duplicate request runs again (nothing of it ran)."""
       with self._peers:
-        return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
-
-    def rerun(e):
-      self.retried_steps += 1
-      log.warning("TensorFlow rejected a step as a duplicate request (a TF request-id "
-                  "collision, about once per 100k steps)%s; running the same step again "
-                  "(%d so far)", "" if faults.is_duplicate_request(e) else
-                  " on a peer, which ended this worker's part of it", self.retried_steps)
+        return faults.with_reruns(lambda: original(*args, **kwargs), RERUNS, self._on_rerun)
     try:
-      return faults.with_reruns(once, RERUNS, rerun)
-    except faults.LOST as e:
+      return self._run(pg, session, one_run, fetches, feed_dict, options, run_metadata)
+    except (faults.LOST + (tf.errors.InternalError,)) as e:
+      if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
+        raise
       error = faults.peer_error(e, state.cluster, plan.communication.timeout)
       log.error("%s", error)
       raise error from e
+
+  def _on_rerun(self, error, count):
+    self.retried_steps += 1
+    log.warning("TensorFlow rejected a step as a duplicate request (%s); running the same step "
+                "again (%d time(s) for this step, %d in this job)", faults.essence(error), count,
+                self.retried_steps)
 
   def _run(self, pg, session, original, fetches, feed_dict, options, run_metadata):
     mapper, feeds = self.state.fetch_mapper, self.state.feeds
@@ -205,8 +207,8 @@ class Dispatcher:
     return result
 
 
-# a step ended by TF's duplicate-request rejection (here or on a peer) runs again at most
-# this many times (the peers' reruns of it may meet a not yet cleaned-up attempt once more)
+# a run TF rejects as a duplicate request runs again at most this many times (each rejection
+# is a fresh draw: three in a row do not happen by chance)
 RERUNS = 3
 
 
