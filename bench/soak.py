@@ -1,126 +1,214 @@
-"""Soak: train for a long time and watch threads, resident memory and steps/s.
+"""Soak: train for a long time the way real jobs do; watch liveness, steps, threads and memory.
 
-  python bench/soak.py [--seconds 600] [--cases dp2,workers2x1,pipeline2] [--interval 10] [--json]
+  python bench/soak.py [--alone] [--seconds 600] [--cases dp2x1,dp2x2,pipe2x1,zero2x1,local1x2]
+                       [--interval 10] [--checkpoint-secs 30] [--eval-every 500] [--json]
 
-Cases (each a training script written the way users write them: tf.layers MLP, a dataset
-iterator, Adam, global_step, MonitoredTrainingSession, a loop until time is up):
-  dp2         data parallelism over 2 devices in one process
-  workers2x1  2 worker processes x 1 device (TF_CONFIG, as a scheduler or epl-launch sets it)
-  pipeline2   a 2-stage pipeline with 4 micro-batches on 2 devices
-The cases run at the same time (they measure leaks, not speed). Every worker samples its own
-thread count (/proc/self/task), RSS (VmRSS) and step count every ``--interval`` seconds.
+Cases (each worker is a user's training script started from TF_CONFIG, as a scheduler or
+epl-launch starts it):
+  dp2x1     data parallelism, 2 workers x 1 device
+  dp2x2     data parallelism, 2 workers x 2 devices
+  pipe2x1   a 2-stage pipeline across 2 workers (a stage per worker), 4 micro-batches
+  zero2x1   ZeRO v1 across 2 workers x 1 device
+  local1x2  data parallelism over 2 devices of one process
+What every script does while it trains (tf.layers MLP, dataset iterator,
+MonitoredTrainingSession): a checkpoint every ``--checkpoint-secs`` by the chief, summaries
+every 100 steps, an evaluation pass (20 batches of another iterator) every ``--eval-every``
+steps, and a GAN-style pair of train ops run in alternate steps (Adam on the first layer with
+global_step, Momentum on the others). Workers stop together: every 100 steps each says
+whether its time is up and the job-wide sum (GLOBAL_SUM_OBJECTS) decides.
+
+``--alone`` runs the cases one after another, each alone on the machine at full speed (the
+rate users see; TF's duplicate-request rejection is rate-dependent); without it they run at
+the same time (they then measure leaks, not speed). A background thread of every worker
+samples its thread count (/proc/self/task), RSS (VmRSS), training steps, global_step and the
+steps TF rejected as duplicate requests (epl's log) every ``--interval`` seconds.
 
 A worker passes when it lived to the end, its thread count stayed in the hundreds
-(<= MAX_THREADS) and did not grow from the middle of the run to the end, and its RSS did not
-grow by more than RSS_GROWTH from the middle to the end. The script prints a table per worker
-(``--json``: one JSON object) and exits non-zero when a worker fails. tests/test_soak.py runs it
-for 60 s in CI; docs/benchmarks.md records a 10-minute run.
+(<= MAX_THREADS) and did not grow from the middle of the run to the end, its RSS did not grow
+by more than RSS_GROWTH from the middle to the end, and its global_step never went back (EPL's
+issue #17: a non-chief step fell back to 0 after a save and hung after the next one). The
+script prints a table per worker (``--json``: one JSON object) and exits non-zero when a worker
+fails. tests/test_soak.py runs it briefly in CI; docs/benchmarks.md records the long runs.
 """
 import argparse
 import json
+import logging
 import os
-import socket
 import subprocess
 import sys
+import threading
 import time
 
 MAX_THREADS = 400
 THREAD_SLACK = 4            # a pool may start a thread late; growth beyond this is a leak
 RSS_GROWTH = 0.05
 VOTE_EVERY = 100
-CASES = ("dp2", "workers2x1", "pipeline2")
+EVAL_BATCHES = 20
+CASES = {                   # name: (workers, devices per worker, epl config)
+    "dp2x1": (2, 1, {}),
+    "dp2x2": (2, 2, {}),
+    "pipe2x1": (2, 1, {"pipeline.num_micro_batch": 4}),
+    "zero2x1": (2, 1, {"zero.level": "v1"}),
+    "local1x2": (1, 2, {}),
+}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- the worker: a user's training script plus a sampler ---------------------------------
-def _sample():
+def _proc_sample():
   with open("/proc/self/status") as f:
     rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
   return len(os.listdir("/proc/self/task")), rss_kb / 1024.0
 
 
-def worker(case, seconds, interval):
+class _Rejections(logging.Handler):
+  """Counts epl's "rejected a step as a duplicate request" warnings (one per rerun)."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.count = 0
+
+  def emit(self, record):
+    if "duplicate request" in record.getMessage():
+      self.count += 1
+
+
+class _Sampler:
+  """Prints a JSON sample every ``interval`` seconds from a daemon thread (a worker that only
+  serves a pipeline stage never reaches the training loop), and a last one at exit."""
+
+  def __init__(self, interval, rejections):
+    self.start = time.time()
+    self.interval = interval
+    self.rejections = rejections
+    self.steps = self.gs = self.evals = 0
+    self.samples = []
+    self.lock = threading.Lock()
+    threading.Thread(target=self._loop, daemon=True).start()
+
+  def sample(self, **extra):
+    threads, rss = _proc_sample()
+    with self.lock:
+      s = dict(t=round(time.time() - self.start, 1), steps=self.steps, gs=self.gs,
+               evals=self.evals, rejected=self.rejections.count, threads=threads,
+               rss_mb=round(rss, 1), **extra)
+      self.samples.append(s)
+    print(json.dumps(dict(s, sample=True)), flush=True)
+
+  def _loop(self):
+    while True:
+      self.sample()
+      time.sleep(self.interval)
+
+  def done(self, **extra):
+    self.sample(**extra)
+    print(json.dumps({"done": True, "samples": self.samples}), flush=True)
+
+
+def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir):
+  import atexit
   import numpy as np
   import tensorflow.compat.v1 as tf
   tf.disable_v2_behavior()
   import epl
-  micro = 4 if case == "pipeline2" else 1
-  env = epl.init(epl.Config({"pipeline.num_micro_batch": micro}))
+  _, _, config = CASES[case]
+  rejections = _Rejections()
+  logging.getLogger("epl").addHandler(rejections)
+  env = epl.init(epl.Config(config))
+  sampler = _Sampler(interval, rejections)
+  closing = []            # [time the loop ended, time the session was closed]
+
+  def at_exit():
+    now = time.time()
+    sampler.done(**({} if not closing else {
+        "close_s": round(closing[1] - closing[0], 2) if len(closing) > 1 else None,
+        "exit_s": round(now - closing[-1], 2)}))
+  atexit.register(at_exit)
+  pipeline = case.startswith("pipe")
   rng = np.random.RandomState(env.cluster.worker_index)
-  features = rng.randn(1024, 32).astype(np.float32)
-  labels = (features[:, :3].sum(axis=1) > 0).astype(np.int64)
-  dataset = tf.data.Dataset.from_tensor_slices((features, labels)).shuffle(1024).batch(16)
-  x, y = tf.data.make_one_shot_iterator(dataset.repeat()).get_next()
-  with epl.replicate(1, name="stage_0"):
-    h = tf.layers.dense(x, 64, activation=tf.nn.relu)
-  if case == "pipeline2":
-    with epl.replicate(1, name="stage_1"):
+
+  def batches(n, seed):
+    features = np.random.RandomState(seed).randn(n, 32).astype(np.float32)
+    labels = (features[:, :3].sum(axis=1) > 0).astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((features, labels))
+  x, y = tf.data.make_one_shot_iterator(
+      batches(1024, rng.randint(1 << 30)).shuffle(1024).repeat().batch(16)).get_next()
+  ex, ey = tf.data.make_one_shot_iterator(batches(320, 99).repeat().batch(16)).get_next()
+
+  def model(inputs, labels, reuse):
+    with epl.replicate(1, name="stage_0"), tf.variable_scope("g", reuse=reuse):
+      h = tf.layers.dense(inputs, 64, activation=tf.nn.relu)
+    with epl.replicate(1, name="stage_1" if pipeline else "stage_0"), \
+        tf.variable_scope("d", reuse=reuse):
       h = tf.layers.dense(h, 64, activation=tf.nn.relu)
       logits = tf.layers.dense(h, 2)
-  else:
-    h = tf.layers.dense(h, 64, activation=tf.nn.relu)
-    logits = tf.layers.dense(h, 2)
-  loss = tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+    return tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
+  loss = model(x, y, False)
+  eval_loss = model(ex, ey, True)
+  tf.summary.scalar("loss", loss)
   step = tf.train.get_or_create_global_step()
-  train = tf.train.AdamOptimizer(1e-3).minimize(loss, global_step=step)
-  # Workers stop together: every VOTE_EVERY steps each says whether its time is up, and the
-  # job-wide sum decides (a worker that left alone would fail its peers' next collective).
+  g_vars = tf.trainable_variables("g")
+  d_vars = tf.trainable_variables("d")
+  train_g = tf.train.AdamOptimizer(1e-3).minimize(loss, var_list=g_vars, global_step=step)
+  train_d = tf.train.MomentumOptimizer(1e-2, 0.9).minimize(loss, var_list=d_vars)
   vote = tf.placeholder(tf.float32, [], name="stop_vote")
   votes = vote * 1.0
   epl.add_to_collection(votes, epl.GraphKeys.GLOBAL_SUM_OBJECTS)
-  samples = []
   start = time.time()
-  next_sample = start
-  steps = 0
-  with tf.train.MonitoredTrainingSession(save_summaries_steps=None, save_checkpoint_secs=None,
-                                         log_step_count_steps=None) as sess:
+  with tf.train.MonitoredTrainingSession(
+      checkpoint_dir=checkpoint_dir, save_checkpoint_secs=checkpoint_secs,
+      save_summaries_steps=100, log_step_count_steps=None) as sess:
+    last_gs = 0
     while True:
-      now = time.time()
-      if now >= next_sample:
-        threads, rss = _sample()
-        samples.append({"t": round(now - start, 1), "steps": steps, "threads": threads,
-                        "rss_mb": round(rss, 1)})
-        print(json.dumps(dict(samples[-1], sample=True)), flush=True)
-        next_sample += interval
-      if steps % VOTE_EVERY == 0 and steps and \
-          sess.run(votes, {vote: float(now - start >= seconds)}) > 0:
-        break
-      sess.run([train, loss])
-      steps += 1
-    closing = time.time()
-  threads, rss = _sample()
-  samples.append({"t": round(time.time() - start, 1), "steps": steps, "threads": threads,
-                  "rss_mb": round(rss, 1), "close_s": round(time.time() - closing, 2)})
-  print(json.dumps({"done": True, "samples": samples}), flush=True)
+      steps = sampler.steps
+      if steps % VOTE_EVERY == 0 and steps:
+        if sess.run(votes, {vote: float(time.time() - start >= seconds)}) > 0:
+          break
+      if steps % 2 == 0:
+        _, gs = sess.run([train_g, step])
+        if gs < last_gs:                  # (read before or after this step's increment)
+          raise RuntimeError("global_step went from %d back to %d" % (last_gs, gs))
+        last_gs = gs
+      else:
+        sess.run(train_d)
+      sampler.steps, sampler.gs = steps + 1, int(last_gs)
+      if eval_every and (steps + 1) % eval_every == 0:
+        for _ in range(EVAL_BATCHES):
+          sess.run(eval_loss)
+        sampler.evals += 1
+    final = int(sess.run(step))
+    if final != (sampler.steps + 1) // 2:
+      raise RuntimeError("global_step is %d after %d runs of the first train op" % (
+          final, (sampler.steps + 1) // 2))
+    sampler.gs = final
+    closing.append(time.time())
+  closing.append(time.time())
 
 
 # ---- the driver ---------------------------------------------------------------------------
-def _free_ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
-
-
-def _start(case, seconds, interval):
+def _start(case, args, scratch):
   """Starts the case's worker processes; returns [(name, Popen)]."""
+  sys.path.insert(0, ROOT)
+  from epl.launch.spec import free_ports
+  workers, devices, _ = CASES[case]
   base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+              EPL_CLUSTER_DEVICES_PER_WORKER=str(devices), EPL_LOG_PROGRESS_SECS="0",
               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  ckpt = os.path.join(scratch, case)
   argv = [sys.executable, os.path.abspath(__file__), "--role", "worker", "--cases", case,
-          "--seconds", str(seconds), "--interval", str(interval)]
-  if case == "workers2x1":
-    hosts = ["localhost:%d" % p for p in _free_ports(2)]
-    envs = [dict(base, EPL_CLUSTER_DEVICES_PER_WORKER="1", TF_CONFIG=json.dumps(
-        {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}))
-            for i in range(2)]
-  else:
-    envs = [dict(base, EPL_CLUSTER_DEVICES_PER_WORKER="2")]
-  return [("%s/worker%d" % (case, i), subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                                        stderr=subprocess.PIPE, text=True))
-          for i, env in enumerate(envs)]
+          "--seconds", str(args.seconds), "--interval", str(args.interval),
+          "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every", str(args.eval_every),
+          "--checkpoint-dir", ckpt]
+  hosts = ["localhost:%d" % p for p in free_ports(workers)]
+  procs = []
+  for i in range(workers):
+    env = dict(base)
+    if workers > 1:
+      env["TF_CONFIG"] = json.dumps({"cluster": {"worker": hosts},
+                                     "task": {"type": "worker", "index": i}})
+    procs.append(("%s/worker%d" % (case, i), subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+  return procs
 
 
 def judge(samples):
@@ -138,20 +226,22 @@ def judge(samples):
   if end["rss_mb"] > middle["rss_mb"] * (1 + RSS_GROWTH):
     problems.append("RSS grew from %.1f MB (t=%.0f s) to %.1f MB (t=%.0f s), more than %d%%" % (
         middle["rss_mb"], middle["t"], end["rss_mb"], end["t"], RSS_GROWTH * 100))
+  gs = [s["gs"] for s in samples]
+  if any(b < a for a, b in zip(gs, gs[1:])):
+    problems.append("global_step went back: %s" % gs)
   return problems
 
 
-def drive(cases, seconds, interval, as_json):
-  procs = [p for case in cases for p in _start(case, seconds, interval)]
+def _collect(procs, seconds):
   report = {}
   for name, proc in procs:
     try:
-      out, err = proc.communicate(timeout=seconds + 120)
+      out, err = proc.communicate(timeout=seconds + 300)
     except subprocess.TimeoutExpired:
       proc.kill()
       out, err = proc.communicate()
     done = [json.loads(l) for l in out.splitlines() if l.startswith('{"done"')]
-    samples = done[0]["samples"] if done else [
+    samples = done[-1]["samples"] if done else [
         json.loads(l) for l in out.splitlines() if l.startswith("{") and '"sample"' in l]
     problems = judge(samples)
     if proc.returncode != 0:
@@ -159,19 +249,37 @@ def drive(cases, seconds, interval, as_json):
       problems.insert(0, "exited with code %s: %s\n%s" % (
           proc.returncode, "\n".join(errors[-4:]), err.strip()[-1500:]))
     report[name] = {"samples": samples, "problems": problems}
-  if as_json:
+  return report
+
+
+def drive(cases, args):
+  import tempfile
+  report = {}
+  with tempfile.TemporaryDirectory(prefix="epl-soak-") as scratch:
+    if args.alone:
+      for case in cases:
+        report.update(_collect(_start(case, args, scratch), args.seconds))
+    else:
+      procs = [p for case in cases for p in _start(case, args, scratch)]
+      report.update(_collect(procs, args.seconds))
+  if args.json:
     print(json.dumps(report))
   else:
     for name, r in report.items():
       print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
           r["problems"])))
-      print("    %7s %9s %8s %8s %9s" % ("t (s)", "steps", "steps/s", "threads", "RSS (MB)"))
+      print("    %7s %9s %9s %8s %6s %8s %8s %9s" % (
+          "t (s)", "steps", "gl.step", "steps/s", "evals", "rejected", "threads", "RSS (MB)"))
       prev = None
       for s in r["samples"]:
         rate = (s["steps"] - prev["steps"]) / max(1e-9, s["t"] - prev["t"]) if prev else 0.0
-        print("    %7.0f %9d %8.0f %8d %9.1f" % (s["t"], s["steps"], rate, s["threads"],
-                                                  s["rss_mb"]))
+        print("    %7.0f %9d %9d %8.0f %6d %8d %8d %9.1f" % (
+            s["t"], s["steps"], s["gs"], rate, s["evals"], s["rejected"], s["threads"],
+            s["rss_mb"]))
         prev = s
+    total = sum(r["samples"][-1]["steps"] for n, r in report.items()
+                if r["samples"] and n.endswith("worker0"))
+    print("training steps in all cases (worker 0 of each): %d" % total)
   return 0 if all(not r["problems"] for r in report.values()) else 1
 
 
@@ -180,6 +288,10 @@ def main():
   p.add_argument("--seconds", type=float, default=600)
   p.add_argument("--interval", type=float, default=10)
   p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--alone", action="store_true", help="one case at a time, at full speed")
+  p.add_argument("--checkpoint-secs", type=float, default=30)
+  p.add_argument("--eval-every", type=int, default=500)
+  p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--json", action="store_true")
   p.add_argument("--role", default="driver", choices=["driver", "worker"])
   args = p.parse_args()
@@ -188,9 +300,10 @@ def main():
   if unknown:
     p.error("unknown case(s) %s; choose from %s" % (", ".join(sorted(unknown)), ", ".join(CASES)))
   if args.role == "worker":
-    worker(cases[0], args.seconds, args.interval)
+    worker(cases[0], args.seconds, args.interval, args.checkpoint_secs, args.eval_every,
+           args.checkpoint_dir)
     return 0
-  return drive(cases, args.seconds, args.interval, args.json)
+  return drive(cases, args)
 
 
 if __name__ == "__main__":

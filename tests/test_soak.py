@@ -1,8 +1,11 @@
-"""Soak: a minute of training per case (bench/soak.py); threads, memory and liveness flat.
+"""Soak (bench/soak.py --alone): every case alone on the machine at full speed, briefly.
 
-Cases: data parallelism on 2 devices, 2 workers x 1 device, a 2-stage pipeline with 4
-micro-batches. Runs them at the same time (about 70 s of CI). bench/soak.py --seconds 600 is
-the 10-minute version recorded in docs/benchmarks.md.
+Cases: data parallelism on 2 workers x 1 and x 2 devices, a 2-stage pipeline across 2 workers
+with 4 micro-batches, ZeRO v1 across 2 workers, and 2 devices in one process. Each script
+trains as real jobs do: checkpoints by the chief, summaries, evaluation passes and a GAN-style
+pair of train ops in alternate steps. The cases run one after another, so the step rate is the
+one users see (TF's duplicate-request rejection depends on it). docs/benchmarks.md records the
+30-minute runs.
 """
 import json
 import os
@@ -13,26 +16,30 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK = os.path.join(ROOT, "bench", "soak.py")
+SECONDS = 12
 
 
-def test_a_minute_of_training_keeps_threads_and_memory_flat():
-  out = subprocess.run([sys.executable, SOAK, "--seconds", "60", "--interval", "6", "--json"],
-                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
+  out = subprocess.run([sys.executable, SOAK, "--alone", "--seconds", str(SECONDS),
+                        "--interval", "2", "--checkpoint-secs", "4", "--eval-every", "300",
+                        "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
   lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
   assert lines, out.stdout[-2000:] + out.stderr[-3000:]
   report = json.loads(lines[-1])
-  assert sorted(report) == ["dp2/worker0", "pipeline2/worker0", "workers2x1/worker0",
-                            "workers2x1/worker1"]
+  assert sorted(report) == sorted([
+      "dp2x1/worker0", "dp2x1/worker1", "dp2x2/worker0", "dp2x2/worker1", "pipe2x1/worker0",
+      "pipe2x1/worker1", "zero2x1/worker0", "zero2x1/worker1", "local1x2/worker0"])
   for name, r in report.items():
     if r["problems"]:       # in full (pytest shortens a long assertion message)
       pytest.fail("%s:\n%s" % (name, "\n".join(r["problems"])), pytrace=False)
     samples = r["samples"]
-    assert samples[-1]["t"] >= 60, (name, samples[-1])
-    steps = [s["steps"] for s in samples[:-1]]          # (the last sample: after the close)
+    assert samples[-1]["t"] >= SECONDS, (name, samples[-1])
+    assert samples[-1]["rejected"] == 0, (name, samples[-1])
+    if name == "pipe2x1/worker1":            # serves stage 1: no training loop of its own
+      continue
+    steps = [s["steps"] for s in samples[1:] if s["t"] < SECONDS]   # while training
     assert all(b > a for a, b in zip(steps, steps[1:])), (name, steps)   # never stalled
-    threads = [s["threads"] for s in samples[1:-1]]                       # while training
-    assert max(threads) < 400, (name, threads)
-    middle, end = samples[len(samples) // 2], samples[-2]
-    assert end["threads"] <= middle["threads"] + 4, (name, threads)
-    assert end["rss_mb"] <= middle["rss_mb"] * 1.05, (name, middle, end)
+    last = samples[-1]
+    assert last["steps"] >= 1000 and last["evals"] >= 1, (name, last)
+    assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
   assert out.returncode == 0, out.stderr[-2000:]

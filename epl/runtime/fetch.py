@@ -120,8 +120,10 @@ class FetchMapper:
     split_tg = self._split_taskgraph(t)
     if split_tg is not None:          # runs once per replica, in the replica's first copy
       pieces, weights = self._per_replica(split_tg, t)
-    if all(p is None for p in pieces[1:]):
-      return fetch
+    if all(p is None for p in pieces[1:]):         # one piece on this worker
+      if not (job_wide and self.parallel.plan.worker_num > 1):
+        return fetch
+      pieces, weights = pieces[:1], None             # GLOBAL_*: still merged job-wide
     if any(p is None for p in pieces):               # run once per step (not per micro-batch)
       m = self._clones.num_micro_batch
       pieces, weights = pieces[::m], None
