@@ -144,3 +144,12 @@ def function_address(library, symbol):
     return ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
   except (OSError, AttributeError) as e:
     raise ElfError("%s does not export %s (%s)" % (library, symbol, e)) from None
+
+
+def redirect_import(importer, symbol, exporter, replacement):
+  """``importer``'s calls of ``symbol`` go to ``replacement`` (exported by ``exporter``) from now
+  on; returns the ImportSlots, whose ``restore()`` undoes it. Raises ElfError."""
+  slots = ImportSlots(importer, symbol)
+  slots.redirect(function_address(exporter, replacement))
+  return slots
+

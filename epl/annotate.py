@@ -211,6 +211,17 @@ class Recorder:
                                       "stage_%d" % i, location))
     self._starts, self._owners = list(starts), list(range(len(starts)))
 
+  def whole_graph(self, name, location):
+    """A copy of this recorder (nothing recorded yet) in which every op belongs to one
+    replicate(1) TaskGraph: what epl plans for an unannotated graph whose Config keys act on
+    its one copy (epl.plan.build)."""
+    assert not self.specs
+    copy = Recorder.__new__(Recorder)
+    copy.__dict__.update(self.__dict__)
+    copy.specs = [TaskGraphSpec(0, REPLICATE, 1, name, location)]
+    copy._starts, copy._owners, copy._default = [0], [0], 0
+    return copy
+
   def add_shard_interval(self, first, last, shard):
     if last >= first:
       self.shard_intervals.append((first, last, shard))

@@ -17,6 +17,16 @@ from typing import Any, Optional, Tuple
 from epl.errors import ConfigError, NotImplementedYetError, closest
 
 
+# What a key does on a graph without any epl annotation (``Key.unannotated``); every key
+# decides (tests/test_config_keys.py walks KEYS): a key a user sets acts or is refused, never
+# accepted and ignored.
+IMPLICIT = "implicit"   # acts on the one model copy epl then makes of the whole graph
+ACTS = "acts"           # acts whatever the annotations (AMP, logging, the job's set-up)
+MOOT = "moot"           # only concerns several copies (communication) or a split: nothing to
+                        # do with one copy, and nothing different happens
+REFUSED = "refused"     # set on an unannotated graph: a PlanError names the key and the fix
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
   """One configuration key: its type, default, allowed values and whether it is built."""
@@ -28,6 +38,9 @@ class Key:
   built: Any = True                  # False: only the default is accepted; a tuple: the
                                      # values that are built (the others are refused)
   help: str = ""
+  unannotated: str = ACTS            # IMPLICIT / ACTS / MOOT / REFUSED (above)
+  requires: Optional[str] = None     # a key it only refines: set without that key's being
+                                     # set too, it is refused (ConfigError names both)
 
   def is_built(self, value):
     if isinstance(self.built, tuple):
@@ -45,67 +58,83 @@ def _k(*args, **kwargs):
 
 KEYS = {k.name: k for k in [
     _k("pipeline.num_micro_batch", "int", 1, minimum=1,
-       help="micro-batches per step (pipeline / gradient accumulation)"),
-    _k("pipeline.num_stages", "int", -1, help="stages for auto.auto_parallel"),
+       help="micro-batches per step (pipeline / gradient accumulation)", unannotated=IMPLICIT),
+    _k("pipeline.num_stages", "int", -1, help="stages for auto.auto_parallel",
+       requires="auto.auto_parallel"),
     _k("pipeline.strategy", "str", "PreferBackward", ("PreferBackward", "PreferForward"),
-       help="pipeline schedule"),
+       help="pipeline schedule", unannotated=MOOT),
     _k("gradient_checkpoint.type", "str", "", ("", "collection", "auto"),
-       help="recompute forward activations in backward from checkpoints"),
+       help="recompute forward activations in backward from checkpoints",
+       unannotated=IMPLICIT),
     _k("gradient_checkpoint.end_taskgraph", "int", -1,
-       help="last TaskGraph index gradient checkpointing applies to (-1: all)"),
+       help="last TaskGraph index gradient checkpointing applies to (-1: all)",
+       unannotated=IMPLICIT, requires="gradient_checkpoint.type"),
     _k("gradient_checkpoint.check_gradients", "bool", False,
-       help="check in the first training step that recomputed tensors equal forward's"),
+       help="check in the first training step that recomputed tensors equal forward's",
+       unannotated=IMPLICIT, requires="gradient_checkpoint.type"),
     _k("zero.level", "str", "", ("", "v0", "v1", "v2"), built=("", "v0", "v1", "v2"),
        help="v0: each data-parallel replica keeps and updates the optimizer state of its "
             "share of the variables; v1: also reduces each gradient on its owner only; v2: "
-            "also the weights, sent to the other replicas just in time"),
+            "also the weights, sent to the other replicas just in time",
+       unannotated=REFUSED),
     _k("offload.level", "str", "", ("", "v0"),
-       help="v0: weights, optimizer slots and the update live on the host CPU"),
+       help="v0: weights, optimizer slots and the update live on the host CPU",
+       unannotated=IMPLICIT),
     _k("amp.level", "str", "", ("", "O1"),
        help="O1: compute-heavy ops (matmul, conv) and what follows them run in amp.dtype; "
             "weights stay float32 and are cast just before each use"),
     _k("amp.loss_scale", "loss_scale", "dynamic",
        help="float16 loss scaling: 'dynamic' (2^15, halve and skip the update on inf/nan, "
-            "double after 2000 good steps) or a fixed number"),
-    _k("amp.debug_log", "bool", False, help="log every op AMP converts and why others stay"),
+            "double after 2000 good steps) or a fixed number", requires="amp.level"),
+    _k("amp.debug_log", "bool", False, help="log every op AMP converts and why others stay",
+       requires="amp.level"),
     _k("amp.dtype", "str", "float16", ("float16", "bfloat16"),
-       help="the low precision of amp.level O1 (bfloat16: no loss scaling needed)"),
+       help="the low precision of amp.level O1 (bfloat16: no loss scaling needed)",
+       requires="amp.level"),
     _k("optimizer.num_apply_group", "int", 1, minimum=1,
-       help="run the optimizer update in this many sequential groups balanced by size"),
-    _k("cluster.device_place_prefer_intra_node", "bool", True),
+       help="run the optimizer update in this many sequential groups balanced by size",
+       unannotated=IMPLICIT),
+    _k("cluster.device_place_prefer_intra_node", "bool", True, built=(True,),
+       help="a model replica stays inside one worker when it fits (False: not built)"),
     _k("cluster.run_visible_devices", "str", ""),
-    _k("cluster.colocate_split_and_replicate", "bool", False),
+    _k("cluster.colocate_split_and_replicate", "bool", False, unannotated=MOOT),
     _k("cluster.startup_timeout", "int", 45, minimum=1,
        help="seconds every worker waits for all workers to start before failing"),
     _k("cluster.devices_per_worker", "int", 0, minimum=0,
        help="accelerators per worker; 0 = all visible GPUs, or 1 virtual CPU device"),
     _k("communication.num_communicators", "int", 2, minimum=1,
-       help="independent collective channels the gradient buckets are spread over"),
-    _k("communication.sparse_as_dense", "bool", False),
-    _k("communication.max_splits", "int", 5, minimum=1),
+       help="independent collective channels the gradient buckets are spread over",
+       unannotated=MOOT),
+    _k("communication.sparse_as_dense", "bool", False, unannotated=MOOT),
+    _k("communication.max_splits", "int", 5, minimum=1, unannotated=MOOT),
     _k("communication.fp16", "bool", False,
-       help="float32 gradient buckets travel between workers as float16"),
+       help="float32 gradient buckets travel between workers as float16", unannotated=MOOT),
     _k("communication.fp16_scale", "int", 128, minimum=1,
-       help="multiplies a bucket before its float16 cast (divided back after)"),
+       help="multiplies a bucket before its float16 cast (divided back after)",
+       unannotated=MOOT, requires="communication.fp16"),
     _k("communication.clip_after_allreduce", "bool", True,
-       help="the user's clipping and optimizer see the all-reduced gradients (EPL: False)"),
-    _k("communication.gradients_reduce_method", "str", "mean", ("mean", "sum")),
+       help="the user's clipping and optimizer see the all-reduced gradients (EPL: False)",
+       unannotated=MOOT),
+    _k("communication.gradients_reduce_method", "str", "mean", ("mean", "sum"),
+       unannotated=MOOT),
     _k("communication.collective_timeout", "int", 300, minimum=1,
-       help="seconds a collective may wait for its peers before failing (no hangs)"),
+       help="seconds a collective may wait for its peers before failing (no hangs)",
+       unannotated=MOOT),
     _k("communication.unique_request_ids", "bool", True,
        help="multi-worker jobs draw TF's RPC request ids from one process-wide 64-bit stream, "
             "so that TF never rejects a step as a duplicate request (False: TF's own ids; a "
             "rejected step is then run again)"),
     _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
-    _k("io.unbalanced_io_slicing", "bool", False),
-    _k("io.drop_last_files", "bool", False),
+    _k("io.unbalanced_io_slicing", "bool", False, requires="io.slicing"),
+    _k("io.drop_last_files", "bool", False, requires="io.slicing"),
     _k("auto.auto_parallel", "bool", False,
        help="cut an un-annotated model into pipeline.num_stages stages by profiled cost"),
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
     _k("launch.parent_pid", "int", 0,
        help="set by epl-launch: the worker stops when this process (the launcher) is gone"),
     _k("log.progress_secs", "int", 30, minimum=0,
-       help="worker 0 logs steps/s and samples/s this often (0: off)"),
+       help="worker 0 logs steps/s and samples/s of the parallel step this often (0: off)",
+       unannotated=MOOT),
     _k("log.level", "str", "info", ("debug", "info", "warning", "error"),
        help="epl's own messages (plan, passes, collectives at debug); epl-launch --debug"),
 ]}
@@ -206,8 +235,9 @@ class Config:
       else:
         value = key.default
       if not key.is_built(value):
-        other = " or one of %s" % ", ".join(repr(v) for v in key.built if v != key.default) \
-            if isinstance(key.built, tuple) else ""
+        others = [v for v in key.built if v != key.default] if isinstance(key.built, tuple) \
+            else []
+        other = " or one of %s" % ", ".join(repr(v) for v in others) if others else ""
         raise NotImplementedYetError(
             "Config key %r=%r%s: this feature is not implemented yet in epl; remove the %s "
             "(default %r)%s." % (name, value,
@@ -215,6 +245,13 @@ class Config:
                                  else "", "variable" if from_env else "key", key.default,
                                  other))
       values[name] = value
+    for name, key in KEYS.items():
+      if key.requires and values[name] != key.default and \
+          values[key.requires] == KEYS[key.requires].default:
+        raise ConfigError(
+            "Config key %r=%r has no effect unless %r is set too (it is %r): set %r, or "
+            "remove %r" % (name, values[name], key.requires, values[key.requires],
+                           key.requires, name))
     object.__setattr__(self, "_values", values)
     for section in _SECTIONS:
       object.__setattr__(self, section, _Section(section, values))

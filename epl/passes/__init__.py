@@ -12,6 +12,8 @@ pass is one module plus one line here.
                  devices, to its copies (gather / scatter), per micro-batch
   schedule       order each stage's micro-batches (PreferBackward / PreferForward)
   recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
+  step_reads     updates wait for every read of their variable in the step; reads of a shared
+                 variable (global_step) see one value in every copy and micro-batch
   gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
                  optimizer's apply ops
   zero           each copy keeps and updates the optimizer state of its share (zero.level v0)
@@ -27,7 +29,8 @@ from epl.passes.offload import offload
 from epl.passes.recompute import recompute
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
+from epl.passes.step_reads import step_reads
 from epl.passes.zero import zero
 
-PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, gradient_sync, zero,
-          offload, apply_groups)
+PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, step_reads, gradient_sync,
+          zero, offload, apply_groups)

@@ -3,9 +3,12 @@
 Nothing here edits the graph: the plan records, by name, what the passes will build
 (``epl.plan.attribution`` says which TaskGraph and phase each op joins).
 """
+import dataclasses
+
 import tensorflow.compat.v1 as tf
 
 from epl.annotate import REPLICATE, SPLIT
+from epl.config import IMPLICIT, KEYS, REFUSED
 from epl.errors import NotImplementedYetError, PlanError
 from epl.plan import split as split_facts
 from epl.plan.attribution import attribute_ops
@@ -37,6 +40,28 @@ def _memory(graph, config):
                 gc.end_taskgraph, names, gc.check_gradients, config.zero.level)
 
 
+def _unannotated_keys(config, cluster):
+  """The keys set away from their default that act on the one copy of an unannotated graph
+  (``Key.unannotated == IMPLICIT``); raises PlanError for a key that cannot act there."""
+  changed = [k for name, k in sorted(KEYS.items()) if config.get(name) != k.default]
+  for key in changed:
+    if key.unannotated == REFUSED:
+      raise PlanError(
+          "Config key %r=%r partitions state over data-parallel model copies, but the graph "
+          "has no epl annotation, so it trains as one copy (the local script): add "
+          "epl.set_default_strategy(epl.replicate(1)) before building the model (data "
+          "parallelism over the job's devices), or remove %r" % (
+              key.name, config.get(key.name), key.name))
+  keys = ["%s=%r" % (k.name, config.get(k.name)) for k in changed if k.unannotated == IMPLICIT]
+  if keys and cluster.worker_num > 1:
+    raise PlanError(
+        "Config %s act on the model's copies, but the graph has no epl annotation, and "
+        "without one every worker of this %d-worker job runs its own local script: add "
+        "epl.set_default_strategy(epl.replicate(1)) before building the model to train one "
+        "model over the workers" % (", ".join(keys), cluster.worker_num))
+  return keys
+
+
 def build_plan(graph, recorder, config, cluster, upto_version=None):
   """Returns the ParallelPlan of ``graph``'s first ``upto_version`` ops (default: all).
 
@@ -52,7 +77,14 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                 communication=communication(config), has_gpu=cluster.has_gpu,
                 memory=_memory(graph, config))
   if not recorder.specs:
-    return ParallelPlan((), (), 1, schedule=(), **common)
+    keys = _unannotated_keys(config, cluster)
+    if not keys:
+      return ParallelPlan((), (), 1, schedule=(), **common)
+    # the keys act on the one model copy the local script is: the whole graph as a
+    # replicate(1) TaskGraph on one device
+    recorder = recorder.whole_graph("the whole model (no epl annotation; %s)" % ", ".join(keys),
+                                    "epl.init")
+    cluster = dataclasses.replace(cluster, gpu_num_per_worker=1)
   upto = graph.version if upto_version is None else upto_version
   owner, phase = attribute_ops(graph, recorder, upto)
   ops, rank = split_facts.op_ranks(graph, upto)

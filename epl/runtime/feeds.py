@@ -4,11 +4,13 @@ Two modes (decided per run from its fetches and feeds):
 
 * ``ALL``: every copy and micro-batch runs -- a training run (its fetches reach an update of
   the model), or a run that feeds a fixed-size batch placeholder more rows than one copy
-  takes. A batch fed to a placeholder (rank >= 1) is this worker's whole step: it is cut into
-  copies x micro-batches pieces in order. A placeholder with a fixed first dimension B takes
+  takes. A batch fed to a placeholder (rank >= 1, or no shape) is this worker's whole step: it
+  is cut into copies x micro-batches pieces in order. A placeholder with a fixed first dimension B takes
   exactly B rows per piece; with an unknown one the rows may split unevenly (each piece's
-  gradient is then weighted by its rows, so the update equals the local run's). A scalar
-  placeholder gets the same value in every copy.
+  gradient is then weighted by its rows, so the update equals the local run's). A scalar --
+  fed to a placeholder of shape [] or to one without a shape (``tf.placeholder(tf.bool)`` for
+  ``is_training``, a learning rate, ``keep_prob``) -- is not a batch: every copy and
+  micro-batch gets it whole.
 * ``COPY0``: only the user's own ops (model copy 0) run, on everything fed -- evaluation and
   prediction take any batch size, including one row, exactly as the local script. A split
   TaskGraph reads the rows of every copy of its replica: the replica's other copies are fed
@@ -98,7 +100,7 @@ class FeedSplitter:
       if tensor.op not in self._cloned:
         continue
       targets = self.clones.every(tensor)
-      if tensor in self._batch:
+      if tensor in self._batch and np.ndim(value):
         pieces, sizes = self._pieces(tensor, value)
         for target, piece in zip(targets, pieces):
           if target is not None:
@@ -122,8 +124,8 @@ class FeedSplitter:
         target = self.clones.tensor(c, tensor)
         if target is None:
           continue
-        if tensor in self._batch:
-          if tensor.shape.dims[0].value is not None:
+        if tensor in self._batch and np.ndim(value):
+          if tensor.shape.rank and tensor.shape.dims[0].value is not None:
             raise PlanError(
                 "an evaluation run of a split model feeds %r, whose first dimension is fixed: "
                 "epl cannot give the replica's other copies an empty batch; declare it "

@@ -212,7 +212,7 @@ class AdamWeightDecayOptimizer(tf.train.Optimizer):
     return m.group(1) if m is not None else param_name
 
 
-def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps):
+def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps, published=False):
   global_step = tf.train.get_or_create_global_step()
   learning_rate = tf.constant(value=init_lr, shape=[], dtype=tf.float32)
   learning_rate = tf.train.polynomial_decay(learning_rate, global_step, num_train_steps,
@@ -232,11 +232,13 @@ def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps):
   grads = tf.gradients(loss, tvars)
   (grads, _) = tf.clip_by_global_norm(grads, clip_norm=1.0)
   train_op = optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
-  # Published BERT builds `global_step + 1` unordered against the learning-rate read above:
-  # TF may run either first, so even two local runs can differ. Order it, as TF's own
-  # optimizers do (docs/user_guide.md, "Real scripts").
-  with tf.control_dependencies([train_op]):
+  if published:        # google-research/bert's optimization.py as published
     new_global_step = global_step + 1
+  else:
+    # Published BERT builds `global_step + 1` unordered against the learning-rate read above;
+    # order it, as TF's own optimizers do (docs/user_guide.md, "Real scripts").
+    with tf.control_dependencies([train_op]):
+      new_global_step = global_step + 1
   train_op = tf.group(train_op, [global_step.assign(new_global_step)])
   return train_op
 
@@ -254,8 +256,10 @@ def make_data(rows, seed=0):
   return dict(input_ids=ids * mask, input_mask=mask, segment_ids=segments, label_ids=labels)
 
 
-def build(batch_size, stage=lambda i: contextlib.nullcontext()):
-  """run_classifier's graph for ``batch_size`` rows per step; returns its tensors."""
+def build(batch_size, stage=lambda i: contextlib.nullcontext(), published=False):
+  """run_classifier's graph for ``batch_size`` rows per step; returns its tensors.
+  ``published``: google-research/bert's optimizer exactly as published (its global_step
+  update is not ordered after the update that reads it)."""
   config = BertConfig()
   input_ids = tf.placeholder(tf.int32, [batch_size, SEQ], name="input_ids")
   input_mask = tf.placeholder(tf.int32, [batch_size, SEQ], name="input_mask")
@@ -263,7 +267,8 @@ def build(batch_size, stage=lambda i: contextlib.nullcontext()):
   label_ids = tf.placeholder(tf.int32, [batch_size], name="label_ids")
   loss, per_example_loss, logits, probabilities = create_model(
       config, input_ids, input_mask, segment_ids, label_ids, LABELS, stage)
-  train_op = create_optimizer(loss, init_lr=5e-3, num_train_steps=20, num_warmup_steps=2)
+  train_op = create_optimizer(loss, init_lr=5e-3, num_train_steps=20, num_warmup_steps=2,
+                              published=published)
   placeholders = dict(input_ids=input_ids, input_mask=input_mask, segment_ids=segment_ids,
                       label_ids=label_ids)
   return dict(placeholders=placeholders, loss=loss, train_op=train_op,

@@ -36,18 +36,11 @@ Two kinds of things live here:
                                              one-shot iterator captures it in a function
     ======================================  ==================================================
 
-And one hook below Python, ``unique_request_ids()`` (installed by ``epl.init`` in a
-multi-worker job, removed by ``uninstall()``): libtensorflow_cc's calls of
-``tsl::random::ThreadLocalNew64`` go to ``tsl::random::New64`` instead (epl._elf rewrites the
-library's import slot). TF draws every RPC request id (request_id.cc: ``GetUniqueRequestId``)
-from ``ThreadLocalNew64``, a thread-local mt19937_64 seeded with 32 random bits; the master
-runs each step on a new thread (master.cc, ``SchedClosure``), so a step's RunGraph id is the
-first output of a fresh 32-bit seed, and a worker rejects a step whose id repeats one of its
-last 100,000 ("The same RunGraph request was received twice"): about once per 43,000 steps per
-worker once that window is full (docs/architecture.md has the measured rates). ``New64`` is
-one process-wide mt19937_64 stream: its 64-bit outputs do not repeat within a window, so no
-step is rejected. Nothing else changes: the same function type, the same generator family,
-and only libtensorflow_cc's calls (request ids, a few XLA names) are redirected.
+And one hook below Python, ``unique_request_ids()`` (a multi-worker ``epl.init``; removed by
+``uninstall()``): libtensorflow_cc's calls of ``tsl::random::ThreadLocalNew64`` -- where TF
+draws its RPC request ids -- go to ``tsl::random::New64`` (epl._elf rewrites the import slot),
+so that no step is rejected as a duplicate request (docs/architecture.md says why and shows
+the measurements).
 """
 import contextlib
 import functools
@@ -70,6 +63,8 @@ from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
 from tensorflow.python.training import saver as _saver
 
+from epl._tf_compat import native
+from epl._tf_compat.native import request_ids_unique, unique_request_ids  # noqa: F401
 from epl.io_slicing import file_list
 from epl.sharding import rules as _split_rules
 from epl.sharding import sharded as _sharded
@@ -391,49 +386,14 @@ def install(listener):
 
 def uninstall():
   """Removes every hook, restoring TF's own functions."""
-  global _listener, _request_ids
+  global _listener
   _listener = None
   for (owner, attr), original in _ORIGINALS.items():
     setattr(owner, attr, original)
   _ORIGINALS.clear()
-  if _request_ids is not None:
-    _request_ids.restore()
-    _request_ids = None
-
-
-# ---- request ids (below Python; see the module docstring) ---------------------------------
-_request_ids = None      # epl._elf.ImportSlots while libtensorflow_cc's ids come from New64
-_TF_CC = "libtensorflow_cc.so.2"
-_TF_FRAMEWORK = "libtensorflow_framework.so.2"
-_THREAD_LOCAL_NEW64 = "_ZN3tsl6random16ThreadLocalNew64Ev"
-_NEW64 = "_ZN3tsl6random5New64Ev"
-
-
-def unique_request_ids():
-  """Makes TF's RPC request ids one process-wide stream (once per process); returns None, or
-  the reason it could not (the job then relies on rerunning a rejected step)."""
-  global _request_ids
-  if _request_ids is not None:
-    return None
-  import os
-  import tensorflow as _tf
-  from epl import _elf
-  folder = os.path.dirname(_tf.__file__)
-  try:
-    slots = _elf.ImportSlots(os.path.join(folder, _TF_CC), _THREAD_LOCAL_NEW64)
-    slots.redirect(_elf.function_address(os.path.join(folder, _TF_FRAMEWORK), _NEW64))
-  except (_elf.ElfError, OSError, KeyError, ValueError) as e:
-    return str(e)
-  _request_ids = slots
-  return None
-
-
-def request_ids_unique():
-  """True while TF's request ids come from the process-wide stream."""
-  return _request_ids is not None
+  native.restore()
 
 
 def installed():
   """True while the hooks are in place."""
   return bool(_ORIGINALS)
-

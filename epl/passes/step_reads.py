@@ -1,0 +1,166 @@
+"""step_reads: what value each read of a variable sees in the step, whatever order TF picks.
+
+1. Updates wait for every read of their variable in the step. An update of a model copy's
+   variable (the optimizer's apply ops) waits for every op of that copy and its micro-batches
+   that reads the variable -- forward ops, and backward ops that need the weight for another
+   gradient (a layer's input gradient reads its weight, and only the earlier layers' gradients
+   need it, not this weight's own update). A ref variable's read (an Identity) aliases its
+   buffer: a reader that ran after the update would see the next step's weights. With one
+   copy TF runs the backward ops first in practice; with micro-batches a later micro-batch's
+   backward could run after the update (found as a 2-stage BERT pipeline that differed from
+   the local run in 1 process of 5).
+2. Shared variables (global_step) -- below.
+
+Expects: ``analyze`` (the singletons: writers of shared variables, ``global_step += 1``),
+``replicate`` and ``micro_batch`` (every clone made).
+Adds: for a shared variable the step writes once (``Assign``, ``AssignAdd``, ``AssignSub`` or
+their resource forms), every read of it in every copy and micro-batch that the write neither
+depends on nor comes after now takes the value the write writes (for an ``Assign`` its input;
+for ``AssignAdd`` a copy of the variable taken before it, plus the increment). Reads the
+write depends on (TF's optimizers: the learning rate feeds the update that
+``global_step += 1`` waits for) keep the value from before the step; reads after it, the new
+one. Nothing waits for the write, so a run without it (evaluation) never runs it.
+
+Why: published BERT writes ``global_step.assign(global_step + 1)`` in a ``tf.group`` with
+its update, and nothing orders its learning-rate schedule's reads of ``global_step`` against
+that assign. A ref variable's read (``global_step/read``, an Identity) aliases the variable's
+buffer, so a consumer sees whatever the buffer holds when it runs: in the local run the
+schedule runs after the assign (the learning rate of step 0 is that of step 1, in every run,
+measured). Under epl each copy and micro-batch has its own read on its own device, where TF
+copies the value whenever the transfer happens to run: some copies used one learning rate,
+some the other, differently in every run.
+"""
+import dataclasses
+from typing import Mapping
+
+import tensorflow.compat.v1 as tf
+from tensorflow.python.ops import gen_array_ops
+
+from epl import _tf_compat as compat
+from epl.op_tables import READ_OPS, VARIABLE_OPS, mutates
+from epl.passes.slots import written
+
+_CHECKS = frozenset({"IsVariableInitialized", "VarIsInitializedOp"})
+# a read inside a tf.while_loop / tf.cond enters it through these; an update outside cannot
+# wait for an op of another frame (TF: "has inputs from different frames")
+_CONTROL_FLOW = frozenset({"Enter", "RefEnter", "Switch", "RefSwitch", "Merge", "RefMerge",
+                           "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"})
+_SET = frozenset({"Assign", "AssignVariableOp"})
+_ADD = {"AssignAdd": 1.0, "AssignAddVariableOp": 1.0, "AssignSub": -1.0,
+        "AssignSubVariableOp": -1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReads:
+  written: Mapping[str, tf.Tensor]     # shared variable op name -> the value its write writes
+  rewired: int                         # reads now taking it
+  ordered: int                         # reads an update of their variable now waits for
+
+  def __str__(self):
+    return ("StepReads(%d update wait(s) for reads; %d shared variable(s), %d read(s) take "
+            "the step's written value)" % (self.ordered, len(self.written), self.rewired))
+
+
+def step_reads(ctx):
+  """Runs the pass; see the module docstring."""
+  analysis = ctx.result("analyze")
+  clones = ctx.clones()
+  apply_ops = [op for op in analysis.cloned if ctx.phase.get(op) == "apply"]
+  updates = [[u for u in (clones.op(c, op) for op in apply_ops) if u is not None]
+             for c in range(clones.num_copies)]
+  # the step's own computation: what the updates need (not evaluation-only ops, savers or
+  # the replica sync, which read variables outside the step)
+  step = _walk([u for per_copy in updates for u in per_copy], upstream=True)
+  ordered = _updates_after_reads(updates, step)
+  writers = {}
+  for op in analysis.singletons:
+    var = written(op)
+    if var is not None and var.name in ctx.plan.shared_variables:
+      writers.setdefault(var, []).append(op)
+  values, rewired = {}, 0
+  for var, ops in sorted(writers.items(), key=lambda kv: kv[0].name):
+    if len(ops) != 1 or (ops[0].type not in _SET and ops[0].type not in _ADD):
+      continue
+    write = ops[0]
+    before, after = _walk(ops, upstream=True), _walk(ops, upstream=False)
+    uses = [(op, i) for op, i in _uses(var, set(ops))
+            if op in step and op not in before and op not in after]
+    if not uses:
+      continue
+    value = write.inputs[1] if write.type in _SET else _incremented(ctx.graph, var, write)
+    for op, i in uses:
+      compat.update_input(op, i, value)
+      rewired += 1
+    values[var.name] = value
+  return StepReads(values, rewired, ordered)
+
+
+def _updates_after_reads(updates, step):
+  """Part 1 of the module docstring: each copy's updates (``updates[c]``) wait for the ops of
+  the step that read their variable. Returns the number of edges added."""
+  count = 0
+  for per_copy in updates:
+    after = _walk(per_copy, upstream=False)
+    writers = {}
+    for op in per_copy:
+      var = written(op)
+      if var is not None:
+        writers.setdefault(var, []).append(op)
+    for var, ops in sorted(writers.items(), key=lambda kv: kv[0].name):
+      readers = {op for op, _ in _uses(var, set(ops))
+                 if op in step and op not in after and not mutates(op) and
+                 op.type not in _CONTROL_FLOW and not compat.in_control_flow(op)}
+      for w in ops:
+        missing = sorted((r for r in readers if r not in w.control_inputs),
+                         key=lambda o: o.name)
+        compat.add_control_inputs(w, missing)
+        count += len(missing)
+  return count
+
+
+def _incremented(graph, var, write):
+  """The value ``write`` (an AssignAdd / AssignSub) leaves in ``var``: a copy of the variable
+  taken before it, plus (minus) its increment."""
+  handle, delta = write.inputs[0], write.inputs[1]
+  with compat.unfinalized(graph), graph.as_default(), tf.name_scope(None), \
+      tf.control_dependencies(None), tf.colocate_with(var):
+    if handle.dtype == tf.resource:
+      before = tf.raw_ops.ReadVariableOp(resource=handle, dtype=delta.dtype,
+                                         name="epl_shared_read/" + var.name)
+    else:
+      before = gen_array_ops.deep_copy(handle, name="epl_shared_read/" + var.name)
+    value = before + delta if _ADD[write.type] > 0 else before - delta
+  compat.add_control_inputs(write, [before.op])
+  return value
+
+
+def _uses(var, writers):
+  """(op, input index) of every op that takes the value of ``var``: through a read op
+  (Identity of a ref variable, ReadVariableOp of a resource one), or a ref input directly."""
+  out = []
+  for consumer in var.outputs[0].consumers():
+    if consumer in writers or consumer.type in _CHECKS:
+      continue
+    if consumer.type in READ_OPS:
+      out.extend((c, i) for c in consumer.outputs[0].consumers()
+                 for i, t in enumerate(c.inputs) if t is consumer.outputs[0])
+    elif not mutates(consumer):
+      out.extend((consumer, i) for i, t in enumerate(consumer.inputs) if t is var.outputs[0])
+  return out
+
+
+def _walk(ops, upstream):
+  """Every op ``ops`` depend on (``upstream``) or that runs after them, ``ops`` included."""
+  seen, work = set(), list(ops)
+  while work:
+    op = work.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if upstream:
+      work.extend(t.op for t in op.inputs)
+      work.extend(op.control_inputs)
+    else:
+      work.extend(c for t in op.outputs for c in t.consumers())
+      work.extend(compat.control_outputs(op))
+  return seen
