@@ -62,9 +62,11 @@ def steps_of(rows_per_step, steps, last=None):
 
 
 def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=None,
-        after=None, config=None, seed=3):
+        after=None, config=None, seed=3, stage=None):
   """Trains one step per row slice of ``batches``; ``feed(tensors)`` adds feeds to every step,
-  ``after(sess, tensors)`` runs once training is done (evaluation, prediction)."""
+  ``after(sess, tensors)`` runs once training is done (evaluation, prediction); ``stage``: the
+  script's stage annotation under epl (default: ``replicate(1, name="stage_<i>")`` scopes)."""
+  run_stage = stage
   graph = tf.Graph()
   with graph.as_default():
     tf.set_random_seed(seed)
@@ -74,7 +76,7 @@ def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=No
       if mode.stages == 1:
         epl.set_default_strategy(epl.replicate(1))
       else:
-        stage = lambda i: epl.replicate(1, name="stage_%d" % i)   # noqa: E731
+        stage = run_stage or (lambda i: epl.replicate(1, name="stage_%d" % i))  # noqa: E731
     t = script.build(batch, stage)
     variables = tf.global_variables()
     with tf.Session() as sess:

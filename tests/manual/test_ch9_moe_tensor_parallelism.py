@@ -1,5 +1,15 @@
-"""The tensor-parallel examples (EPL manual §5.3): each trains the model its local script
-trains, in one process on 2 devices and under epl-launch on 2 workers x 1 device."""
+"""EPL's manual, chapter 9 (MoE Tensor Model Parallelism), and the runnable examples of §5.3.
+
+  9.2   colocate_split_and_replicate; set_default_strategy(replicate(total_gpu_num));
+        AttentionAndGating(); split(total_gpu_num): MOE_Variable_Define();
+        MOE_Calculation_Define() -- examples/moe/train.py is that tutorial (the manual's §9.2
+        uses total_gpu_num without defining it; the example takes it from epl.Env, as §5.3.2
+        does) and trains the local model on 2 devices
+  9.2   epl-launch --num_workers 2 --gpu_per_worker 1 train_moe_t5.sh -> examples/moe/run.sh
+        on 2 workers x 1 device: one model replica over both workers (worker 1 serves)
+  5.3.1 the large-scale classification example (examples/split_classification), both ways
+  (9.1.1 t2t-datagen prepares a dataset from the network: not a test here)
+"""
 import contextlib
 import io
 import os
