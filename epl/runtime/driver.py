@@ -56,7 +56,31 @@ def rewrite(state):
   log.debug("rewrite done in %.2f s:\n%s", time.time() - start, pg.format())
   if state.cluster.worker_index == 0:
     log.info("%s", pg.summary())
+    if plan.worker_num > 1:
+      log.info("%s", deadline_note(state.graph, plan))
   return pg
+
+
+def deadline_note(graph, plan):
+  """What ``communication.collective_timeout`` means for this model's gradients: a ring
+  all-reduce of S bytes among n workers moves 2 (n - 1) / n x S bytes over each worker's
+  link, so a step whose sync alone outlasts the deadline needs a link slower than that over
+  the deadline."""
+  total = 0
+  for g in plan.gradients:
+    try:
+      var = graph.get_operation_by_name(g.variable)
+    except KeyError:
+      continue
+    shape = var.outputs[0].shape
+    if shape.is_fully_defined():
+      total += shape.num_elements() * var.outputs[0].dtype.base_dtype.size
+  n, seconds = plan.worker_num, plan.communication.timeout
+  wire = 2.0 * (n - 1) / n * total
+  return ("communication.collective_timeout=%d s: this model's %.1f MB of gradients move "
+          "%.1f MB over each worker's link per step, so only a link slower than %.2f Mbit/s "
+          "(plus the step's compute) would reach the deadline; raise it for slower links" % (
+              seconds, total / 1e6, wire / 1e6, wire * 8 / 1e6 / seconds))
 
 
 def run_passes(graph, plan, worker_index):

@@ -7,6 +7,7 @@ graph runs, all workers meet in a barrier (a one-element all-reduce with a deadl
 worker that never starts becomes an error on the others instead of an endless wait.
 """
 import logging
+import socket
 import time
 
 import tensorflow.compat.v1 as tf
@@ -45,6 +46,13 @@ def start_server(cluster):
     return _SERVERS[key]
   spec = tf.train.ClusterSpec({JOB: list(cluster.worker_hosts)})
   address = cluster.worker_hosts[cluster.worker_index]
+  foreign = _not_mine(address)
+  if foreign:
+    raise StartupError(
+        "worker %d could not start its server on %s: %s is not an address of this host (%s); "
+        "give each worker its own host's address in TF_CONFIG / --machine_list (in the "
+        "order of --machine_rank)" % (cluster.worker_index, address, address.rsplit(":", 1)[0],
+                                      foreign))
   try:
     server = tf.train.Server(spec, job_name=JOB, task_index=cluster.worker_index,
                              config=server_config(cluster), start=True)
@@ -55,6 +63,25 @@ def start_server(cluster):
                                                 str(e).splitlines()[0])) from None
   _SERVERS[key] = server
   return server
+
+
+def _not_mine(address):
+  """Why ``address``'s host is not one of this machine's addresses, or "" (it is, or it
+  cannot be told: a name that does not resolve here is left to TF's own error)."""
+  host = address.rsplit(":", 1)[0].strip("[]")
+  try:
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+  except socket.gaierror:
+    return ""
+  errors = []
+  for family, _, _, _, sockaddr in infos:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      try:
+        probe.bind((sockaddr[0], 0))
+        return ""
+      except OSError as e:
+        errors.append("%s: %s" % (sockaddr[0], e.strerror))
+  return "; ".join(errors)
 
 
 def session_target_config(cluster, user_config):
@@ -93,10 +120,15 @@ def barrier(server, cluster, timeout, instance=1, size=None, group_key=BARRIER_G
       joined = sess.run(ping, options=tf.RunOptions(timeout_in_ms=int(timeout * 1000)))
   except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
           tf.errors.InternalError, tf.errors.CancelledError, tf.errors.AbortedError) as e:
+    from epl.runtime.faults import reachable
+    silent = ["worker %d at %s does not answer" % (w, h)
+              for w, h in enumerate(cluster.worker_hosts[:size])
+              if w != cluster.worker_index and not reachable(h)]
     raise StartupError(
-        "worker %d: not every one of the %d workers joined within %.0f s (%s: %s). Check "
-        "that all workers were started with the same TF_CONFIG, or raise "
-        "cluster.startup_timeout" % (cluster.worker_index, cluster.worker_num, timeout,
-                                     type(e).__name__, str(e).splitlines()[0])) from None
+        "worker %d: not every one of the %d workers joined within %.0f s (%s%s: %s). Check "
+        "that every worker was started, with the same TF_CONFIG / --machine_list, or raise "
+        "cluster.startup_timeout" % (
+            cluster.worker_index, size, timeout, "; ".join(silent) + "; " if silent else "",
+            type(e).__name__, str(e).splitlines()[0])) from None
   assert int(joined) == size
   log.debug("barrier: all %d workers joined in %.1f s", size, time.time() - start)

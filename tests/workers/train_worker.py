@@ -1,7 +1,8 @@
 """A checkpointed training run for the fault and resume tests (started by epl-launch).
 
 usage: train_worker.py CKPT_DIR OUT_DIR STEPS SLEEP [pipeline]
-TEST_LINGER_<index> (seconds): worker <index> waits that long after its last step before its
+TEST_EXTRA_PARAMS: a variable of that many floats more (its gradient travels every
+step). TEST_LINGER_<index> (seconds): worker <index> waits that long after its last step before its
 script ends (a worker slower to finish than its peers).
 Every worker passes is_chief=True, as EPL's examples do; epl lets only worker 0 write. With
 ``pipeline`` the model is two stages with 2 micro-batches (on 2 workers x 1 device, worker 1
@@ -33,6 +34,10 @@ def main():
   with epl.replicate(1, name="stage_1" if pipeline else "stage_0"):
     logits = tf.layers.dense(hidden, 4)
     loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    extra = int(os.environ.get("TEST_EXTRA_PARAMS", "0"))     # gradient bytes on the wire
+    if extra:
+      big = tf.get_variable("big", [extra], initializer=tf.zeros_initializer())
+      loss += 1e-9 * tf.reduce_sum(big * big) + 1e-9 * tf.reduce_sum(big)
   step = tf.train.get_or_create_global_step()
   train = tf.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
   names = sorted(v.op.name for v in tf.global_variables())
