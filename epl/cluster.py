@@ -13,6 +13,7 @@ Example:
   ('/device:CPU:1', '/device:CPU:2')
 """
 import dataclasses
+import hashlib
 import ipaddress
 import json
 import re
@@ -117,6 +118,13 @@ class Cluster:
     kind = "GPU" if self.has_gpu else "virtual CPU"
     return "Cluster(%d worker(s) x %d %s device(s), this is worker %d)" % (
         self.worker_num, self.gpu_num_per_worker, kind, self.worker_index)
+
+
+def default_job_id(hosts):
+  """A job's id when nobody named it: derived from its workers' addresses, so every worker of
+  a job (each started apart, by a scheduler or a per-host epl-launch) agrees on it, and two
+  jobs that run at the same time (their ports differ) never share it."""
+  return "job-" + hashlib.sha1(",".join(hosts).encode()).hexdigest()[:10]
 
 
 def parse_tf_config(text):

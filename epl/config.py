@@ -132,6 +132,21 @@ KEYS = {k.name: k for k in [
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
     _k("launch.parent_pid", "int", 0,
        help="set by epl-launch: the worker stops when this process (the launcher) is gone"),
+    _k("launch.job_id", "str", "",
+       help="the job's name; a worker given another job's address fails at start-up naming "
+            "both (default: derived from the workers' addresses; epl-launch --job_id)"),
+    _k("launch.attempt", "int", 0, minimum=0,
+       help="set by epl-launch: how many times the job was restarted before this run"),
+    _k("launch.status_file", "str", "",
+       help="set by epl-launch: where this worker reports its first step (restart decisions)"),
+    _k("launch.max_restarts", "int", 0, minimum=0,
+       help="epl-launch --max_restarts: restart every worker from the last checkpoint after a "
+            "failure, at most this often (within launch.restart_window)"),
+    _k("launch.restart_window", "int", 0, minimum=0,
+       help="epl-launch --restart_window: seconds in which launch.max_restarts counts "
+            "restarts (0: the whole run)"),
+    _k("launch.port_range", "str", "",
+       help="epl-launch --port_range LOW-HIGH: the ports the workers' servers may use"),
     _k("log.progress_secs", "int", 30, minimum=0,
        help="worker 0 logs steps/s and samples/s of the parallel step this often (0: off)",
        unannotated=MOOT),

@@ -7,12 +7,13 @@ up through ``epl.Env``; it hands the recorder and the graph state to everything 
 import logging
 import os
 import sys
+import time
 
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl import annotate
-from epl.cluster import Cluster
+from epl.cluster import Cluster, default_job_id
 from epl.collections_api import check_key
 from epl.config import Config
 from epl.env import Env
@@ -69,8 +70,12 @@ def init(config=None):
     with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
                                cluster.worker_index, limit)):
+      started = time.time()
       state.server = server.start_server(cluster)
-      server.barrier(state.server, cluster, limit, instance=server.next_barrier())
+      server.meet_peers(state.server, cluster, config.launch.job_id or
+                        default_job_id(cluster.worker_hosts), limit)
+      server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
+                     instance=server.next_barrier())
     if config.communication.unique_request_ids:
       why = compat.unique_request_ids()
       if why:

@@ -248,3 +248,71 @@ def test_a_link_capped_at_50_mbit_mid_training_slows_the_job_but_does_not_end_it
   assert "worker 0 step 24" in hosts[0].out
   rate = (b.link_bytes(1)[1] - before) * 8 / (time.time() - capped)
   assert rate < 60e6                         # the steps after the cap crossed the slow link
+
+
+# ---- who can reach a job -------------------------------------------------------------------
+def test_a_worker_given_another_jobs_address_fails_at_once_naming_both_jobs(bed, tmp_path):
+  b = bed(2)
+  job_b = _training(b, tmp_path, steps=100000, pause="0.05")
+  job_b[0].wait_for(r"worker 0 step", count=3)
+  b_id = re.search(r"epl-launch: job (\S+):", job_b[0].out).group(1)
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+  script = [os.path.join(WORKERS, "train_worker.py"), str(tmp_path / "a_ck"), str(tmp_path),
+            "20", "0"]
+  for rank, machine_list, expected in (
+      # job A's worker 1 is job B's worker 1 on host 1
+      (0, "%s:23460,%s:23456" % (b.addresses[0], b.addresses[1]),
+       r"worker 0 of job job-a: %s:23456, given for worker 1, is worker 1 of job %s\." % (
+           re.escape(b.addresses[1]), re.escape(b_id))),
+      # job A's worker 0 is job B's worker 1
+      (1, "%s:23456,%s:23461" % (b.addresses[1], b.addresses[0]),
+       r"worker 1 of job job-a: %s:23456, given for worker 0, is worker 1 of job %s\." % (
+           re.escape(b.addresses[1]), re.escape(b_id)))):
+    started = time.time()
+    proc = b.start(0, [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2",
+                       "--machine_list", machine_list, "--machine_rank", str(rank),
+                       "--job_id", "job-a", "--log_dir", str(tmp_path / "a_logs")] + script,
+                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   text=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and time.time() - started < 30, out[-3000:]
+    assert re.search(expected, out), out[-3000:]
+  assert job_b[0].proc.poll() is None and job_b[1].proc.poll() is None   # B trains on
+  count = len([l for l in job_b[0].lines if "worker 0 step" in l])
+  job_b[0].wait_for(r"worker 0 step", count=count + 5)
+
+
+def test_epl_launch_prints_its_ports_and_keeps_to_the_port_range(bed, tmp_path):
+  b = bed(2)
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+  blocker = b.start(0, [sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                        "s.bind(('', 30100)); s.listen(); time.sleep(600)"], env=env)
+  time.sleep(1)
+  # a localhost job on host 0: its two servers take free ports of the range (30100 is taken)
+  host = Host.__new__(Host)
+  host.rank, host.lines = 0, []
+  host.proc = b.start(0, [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2",
+                          "--port_range", "30100-30109", "--log_dir", str(tmp_path / "logs"),
+                          os.path.join(WORKERS, "train_worker.py"), str(tmp_path / "ck"),
+                          str(tmp_path), "100000", "0.05"],
+                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True)
+  host._reader = threading.Thread(target=host._read, daemon=True)   # pylint: disable=protected-access
+  host._reader.start()
+  host.wait_for(r"worker 0 step", count=2)
+  said = re.search(r"epl-launch: job (job-\w+): worker 0 on localhost:(\d+), worker 1 on "
+                   r"localhost:(\d+)\. TensorFlow's servers listen on every interface without "
+                   r"authentication", host.out)
+  assert said, host.out[-3000:]
+  ports = {int(said.group(2)), int(said.group(3))}
+  assert ports <= set(range(30101, 30110)), ports
+  listening = subprocess.run(["ip", "netns", "exec", b.names[0], "ss", "-ltnH"],
+                             capture_output=True, text=True, check=True).stdout
+  for port in ports:           # ... on every interface: host 1 reaches this localhost job
+    assert re.search(r"(\*|0\.0\.0\.0|\[::\]):%d\b" % port, listening), listening
+    reach = b.start(1, [sys.executable, "-c", "import socket; socket.create_connection(("
+                        "'%s', %d), timeout=5)" % (b.addresses[0], port)], env=env)
+    assert reach.wait(30) == 0
+  host.proc.send_signal(2)                                      # Ctrl-C
+  assert host.wait(60) != 0
+  blocker.kill()

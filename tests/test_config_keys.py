@@ -90,6 +90,12 @@ ALONE = {
     "auto.auto_parallel": (True, {}, lambda pg, g, l: pg.plan.taskgraphs[0].name == "stage_0"),
     "launch.worker_index": (0, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.parent_pid": (1, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
+    "launch.job_id": ("mine", {}, "tests/test_cluster.py::test_a_worker_given_another_jobs_address_fails_at_once_naming_both_jobs"),
+    "launch.attempt": (1, {}, "tests/test_restarts.py::test_a_worker_killed_mid_training_is_restarted_and_trains_the_uninterrupted_model"),
+    "launch.status_file": ("s", {}, "tests/test_restarts.py::test_a_config_error_is_not_restarted"),
+    "launch.max_restarts": (2, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
+    "launch.restart_window": (60, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
+    "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
     "log.level": ("debug", {}, lambda pg, g, l: any(m.startswith("epl.init:") for m in l)),
 }

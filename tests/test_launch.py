@@ -11,9 +11,9 @@ from epl.io_slicing import assign_files
 HERE = os.path.abspath(__file__)
 
 
-def settings(*argv):
-  return settings_from_args(parser().parse_args(list(argv)), pick_ports=lambda n: [
-      5000 + i for i in range(n)])
+def settings(*argv, environ=None):
+  return settings_from_args(parser().parse_args(list(argv)), pick_ports=lambda n, r: [
+      (r[0] if r else 5000) + i for i in range(n)], environ=environ or {})
 
 
 def test_local_workers_get_tf_config_and_devices():
@@ -58,6 +58,12 @@ def test_machine_rank_starts_one_worker_of_a_multi_host_job():
      "out of range"),
     (["--num_workers", "0", HERE], "--num_workers must be >= 1"),
     (["/no/such/script.py"], "not found"),
+    (["--port_range", "30000", HERE], "expected LOW-HIGH"),
+    (["--port_range", "30010-30000", HERE], "1 <= LOW <= HIGH"),
+    (["--num_workers", "2", "--machine_list", "a:7000,b", "--port_range", "30000-30009", HERE],
+     "port 7000 of a:7000 is outside --port_range 30000-30009"),
+    (["--max_restarts", "-1", HERE], "--max_restarts must be >= 0"),
+    (["--job_id", "a b", HERE], "--job_id 'a b'"),
 ])
 def test_bad_flags(argv, message):
   with pytest.raises(SystemExit, match=message):
@@ -107,3 +113,72 @@ def test_exit_descriptions_and_console_filter():
 def test_help_is_instant_and_never_imports_tensorflow():
   from tests.cli_help import assert_help_is_instant
   assert_help_is_instant("epl-launch", "epl.launch.cli", "--num_workers")
+
+
+def test_port_range_job_id_and_restart_flags():
+  s = settings("--num_workers", "2", "--port_range", "30000-30009", HERE)
+  assert s.hosts == ("localhost:30000", "localhost:30001") and s.local_hosts
+  assert s.job_id.startswith("job-") and s.job_id != settings(HERE).job_id   # random locally
+  s = settings("--num_workers", "2", "--machine_list", "a,b:30005", "--port_range",
+               "30000-30009", "--machine_rank", "0", HERE)
+  assert s.hosts == ("a:30000", "b:30005") and not s.local_hosts
+  # every host's launcher of one job derives the same id; the workers get it
+  assert s.job_id == settings("--num_workers", "2", "--machine_list", "a,b:30005",
+                              "--port_range", "30000-30009", "--machine_rank", "1",
+                              HERE).job_id
+  spec, = worker_specs(s, {})
+  assert spec.env["EPL_LAUNCH_JOB_ID"] == s.job_id and spec.env["EPL_LAUNCH_ATTEMPT"] == "0"
+  assert spec.env["EPL_LAUNCH_STATUS_FILE"].endswith("worker_0.status")
+  spec, = worker_specs(s, {}, attempt=2)
+  assert spec.log_path.endswith("worker_0.restart2.log") and spec.env["EPL_LAUNCH_ATTEMPT"] == "2"
+  assert settings("--job_id", "mine", HERE).job_id == "mine"
+  # flags default to the launch.* Config keys in the environment (schedulers)
+  s = settings(HERE, environ={"EPL_LAUNCH_MAX_RESTARTS": "3", "EPL_LAUNCH_RESTART_WINDOW": "60",
+                              "EPL_LAUNCH_JOB_ID": "sched-7"})
+  assert (s.max_restarts, s.restart_window, s.job_id) == (3, 60, "sched-7")
+  assert settings("--max_restarts", "1", HERE,
+                  environ={"EPL_LAUNCH_MAX_RESTARTS": "3"}).max_restarts == 1
+  with pytest.raises(SystemExit, match="EPL_LAUNCH_MAX_RESTART"):
+    settings(HERE, environ={"EPL_LAUNCH_MAX_RESTART": "3"})
+
+
+def test_free_ports_in_a_range_skip_taken_ones_and_say_when_too_few():
+  import socket
+  from epl.launch.spec import free_ports
+  taken = socket.socket()
+  taken.bind(("", 0))
+  taken.listen()
+  port = taken.getsockname()[1]
+  try:
+    picked = free_ports(2, (port, port + 40))
+    assert port not in picked and all(port < p <= port + 40 for p in picked)
+    with pytest.raises(SystemExit, match=r"--port_range %d-%d has 0 free port\(s\) for 1 "
+                       % (port, port)):
+      free_ports(1, (port, port))
+  finally:
+    taken.close()
+
+
+def test_which_failures_are_restarted():
+  from epl.launch.cli import Restarts, failed_with, restart_refused
+  log = "\n".join(["[0] step 3", "Traceback (most recent call last):", '  File "t.py"',
+                   "epl.errors.ConfigError: Config key 'x' ..."])
+  assert failed_with(log) == "ConfigError"
+  assert failed_with("Traceback (most recent call last):\n  File\nValueError: bad") == \
+      "ValueError"
+  assert failed_with("no traceback here") == ""
+  assert "ConfigError repeats" in restart_refused(1, "ConfigError", ran=True)
+  assert "PlanError repeats" in restart_refused(-9, "PlanError", ran=False)
+  assert restart_refused(-9, "", ran=False) == ""            # killed: restart
+  assert restart_refused(1, "PeerError", ran=True) == ""     # lost a peer mid-training
+  assert "before the job's first step (ValueError)" in restart_refused(1, "ValueError",
+                                                                        ran=False)
+  now = [0.0]
+  budget = Restarts(2, 100, clock=lambda: now[0])
+  assert budget.allow() and budget.allow() and not budget.allow()
+  now[0] = 150.0                                             # the first two left the window
+  assert budget.allow()
+  whole = Restarts(1, 0, clock=lambda: now[0])
+  assert whole.allow()
+  now[0] = 1e9
+  assert not whole.allow()

@@ -3,17 +3,26 @@
 Every worker runs in its own process group; the launcher returns only once every process of
 every group is gone. Workers get ``EPL_LAUNCH_PARENT_PID``: if the launcher itself is killed,
 epl stops them (epl.runtime.watchdog), and the direct child also gets SIGKILL from the kernel.
+
+With ``--max_restarts N`` a failed job is started again (every worker, fresh ports on
+localhost) and resumes from its last checkpoint, unless the failure would only repeat: a
+Config / plan / annotation error, or any error before the job ran its first step
+(``restart_refused``). After N restarts within ``--restart_window`` it gives up.
 """
+import collections
+import dataclasses
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from epl.launch import status
 from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
-from epl.launch.spec import parser, settings_from_args, worker_specs
+from epl.launch.spec import free_ports, parser, settings_from_args, status_path, worker_specs
 
 GRACE_SECONDS = 5
 _PR_SET_PDEATHSIG = 1
@@ -51,16 +60,21 @@ def _group_alive(pgid):
 class Job:
   """The running workers of this launcher."""
 
-  def __init__(self, specs, debug=False, out=None):
+  def __init__(self, specs, debug=False, out=None, status_files=None):
     self.specs = {s.index: s for s in specs}
     self.debug = debug
     self.out = out or sys.stdout
+    self.status_files = status_files or {}   # index -> its launch.status_file
     self.procs = {}
     self.exits = []                      # (time, index, code) in the order workers ended
+    self.failure = None                  # (index, code) of the first worker that failed
+    self.stopping = False
     self._threads = []
     self._print_lock = threading.Lock()
 
   def start(self):
+    for path in self.status_files.values():
+      status.clear(path)
     for spec in self.specs.values():
       os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
       proc = subprocess.Popen(spec.argv, env=spec.env, stdout=subprocess.PIPE,
@@ -116,63 +130,180 @@ class Job:
     for t in self._threads:
       t.join(timeout=2)
 
-  def watch(self, poll=0.2):
-    """Returns 0 when every worker succeeded; on the first failure stops the rest."""
+  def watch(self, poll=0.2, on_status=None):
+    """Returns 0 when every worker succeeded; on the first failure stops the rest (and
+    ``failure`` says which). ``on_status(index, event)``: each status event of a worker."""
+    seen = collections.Counter()
     while True:
       for index, proc in sorted(self.procs.items()):
         code = proc.poll()
         if code is not None and index not in [i for _, i, _ in self.exits]:
           self.exits.append((time.time(), index, code))
+      if on_status is not None:
+        for index, path in self.status_files.items():
+          events = status.read(path)
+          for event in events[seen[index]:]:
+            on_status(index, event)
+          seen[index] = len(events)
       failed = [(i, c) for _, i, c in self.exits if c != 0]
       if failed:
+        self.failure = failed[0]
         self.stop()
-        self._summary(*failed[0])
         return 1
       if len(self.exits) == len(self.procs):
         self.reap()
         return 0
       time.sleep(poll)
 
-  def _summary(self, index, code):
-    spec = self.specs[index]
+  def ran(self):
+    """True when a worker of this run started training (its first step ran)."""
+    return any(e.get("event") == status.RUNNING for path in self.status_files.values()
+               for e in status.read(path))
+
+  def log_text(self, index):
     try:
-      with open(spec.log_path, errors="replace") as f:
-        text = f.read()
+      with open(self.specs[index].log_path, errors="replace") as f:
+        return f.read()
     except OSError:
-      text = "(no log)"
+      return "(no log)"
+
+  def summary(self):
+    """What the console shows of the failure: the first failed worker's traceback."""
+    index, code = self.failure
     others = [i for _, i, c in self.exits if i != index and c != 0]
-    sys.stderr.write(
-        "epl-launch: worker %d failed (%s); stopped the other workers%s.\n"
-        "--- worker %d (%s) ---\n%s\n" % (
-            index, describe_exit(code),
-            " (%s then failed too)" % ", ".join("worker %d" % i for i in others) if others
-            else "", index, spec.log_path, last_traceback(text)))
-    sys.stderr.flush()
+    return ("epl-launch: worker %d failed (%s); stopped the other workers%s.\n"
+            "--- worker %d (%s) ---\n%s\n" % (
+                index, describe_exit(code),
+                " (%s then failed too)" % ", ".join("worker %d" % i for i in others) if others
+                else "", index, self.specs[index].log_path,
+                last_traceback(self.log_text(index))))
+
+
+# errors that a restart would only repeat: the script, its Config or its annotations are wrong
+REPEATING = ("ConfigError", "NotImplementedYetError", "AnnotationError", "PlanError",
+             "RuntimeStateError")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception))\b")
+
+
+def failed_with(log_text):
+  """The class name of the exception a worker's log ends with ("" when none)."""
+  for line in reversed(last_traceback(log_text).splitlines()):
+    found = _EXCEPTION_LINE.match(line)
+    if found:
+      return found.group(1)
+  return ""
+
+
+def restart_refused(code, error, ran):
+  """Why a restart would only repeat a failure ("" when it may help).
+
+  Args:
+    code: the failed worker's exit code (negative: killed by that signal).
+    error: the class name of the exception its log ends with ("" when none).
+    ran: whether the job ran its first step in this run.
+  """
+  if error in REPEATING:
+    return "a %s repeats on every start" % error
+  if code is not None and code < 0:
+    return ""                                  # killed (OOM, preempted, kill -9): restart
+  if not ran:
+    return ("it failed before the job's first step (%s), which a restart would repeat" %
+            (error or describe_exit(code)))
+  return ""
+
+
+class Restarts:
+  """The restart budget: ``limit`` restarts within ``window`` seconds (0: the whole run)."""
+
+  def __init__(self, limit, window, clock=time.time):
+    self.limit, self.window, self._clock = limit, window, clock
+    self.times = []
+
+  def recent(self):
+    now = self._clock()
+    return [t for t in self.times if not self.window or now - t <= self.window]
+
+  def allow(self):
+    """Takes one restart from the budget; False when it is spent."""
+    if len(self.recent()) >= self.limit:
+      return False
+    self.times.append(self._clock())
+    return True
+
+
+def _listening(settings):
+  ports = ", ".join("worker %d on %s" % (i, settings.hosts[i]) for i in settings.local_ranks)
+  return ("epl-launch: job %s: %s. TensorFlow's servers listen on every interface without "
+          "authentication: run on a trusted network, or let only the job's hosts reach these "
+          "ports (--port_range)" % (settings.job_id, ports))
 
 
 def main(argv=None):
   args = parser().parse_args(argv)
   settings = settings_from_args(args)
-  specs = worker_specs(settings, os.environ, gpus_on_host=_gpus_on_host(),
-                       launcher_pid=os.getpid())
-  job = Job(specs, debug=settings.debug)
-  print("epl-launch: %d worker(s) x %d device(s); logs in %s" % (
-      settings.num_workers, settings.gpu_per_worker, os.path.abspath(settings.log_dir)),
-      flush=True)
+  gpus = _gpus_on_host()
+  print("epl-launch: %d worker(s) x %d device(s); logs in %s%s" % (
+      settings.num_workers, settings.gpu_per_worker, os.path.abspath(settings.log_dir),
+      "; restarts: at most %d%s" % (settings.max_restarts, " within %d s" %
+                                    settings.restart_window if settings.restart_window else "")
+      if settings.max_restarts else ""), flush=True)
+  running = []
 
   def on_signal(signum, _frame):
-    job.stop()
+    for job in running:
+      job.stop()
     print("epl-launch: interrupted (%s); all workers stopped" % signal.Signals(signum).name,
           file=sys.stderr)
     sys.exit(128 + signum)
 
   signal.signal(signal.SIGINT, on_signal)
   signal.signal(signal.SIGTERM, on_signal)
-  job.start()
-  code = job.watch()
-  print("epl-launch: %s; logs in %s" % ("all workers finished" if code == 0 else "failed",
-                                        os.path.abspath(settings.log_dir)), flush=True)
-  return code
+  budget = Restarts(settings.max_restarts, settings.restart_window)
+  attempt = 0
+  while True:
+    if attempt and settings.local_hosts:                 # fresh ports for the new start
+      settings = dataclasses.replace(settings, hosts=tuple(
+          "localhost:%d" % p for p in free_ports(settings.num_workers, settings.port_range)))
+    print(_listening(settings), flush=True)
+    specs = worker_specs(settings, os.environ, gpus_on_host=gpus, launcher_pid=os.getpid(),
+                         attempt=attempt)
+    job = Job(specs, debug=settings.debug, status_files={
+        i: status_path(settings, i) for i in settings.local_ranks})
+    running[:] = [job]
+    job.start()
+
+    def on_status(index, event, attempt=attempt, job=job):
+      if attempt and event.get("event") == status.RUNNING and event.get("global_step") \
+          is not None and index == min(job.specs):
+        job._say("epl-launch: restart %d resumed at global_step %s" % (
+            attempt, event["global_step"]))
+    code = job.watch(on_status=on_status)
+    if code == 0:
+      print("epl-launch: all workers finished%s; logs in %s" % (
+          " (after %d restart(s))" % attempt if attempt else "",
+          os.path.abspath(settings.log_dir)), flush=True)
+      return 0
+    index, exit_code = job.failure
+    sys.stderr.write(job.summary())
+    refused = restart_refused(exit_code, failed_with(job.log_text(index)), job.ran()) \
+        if settings.max_restarts else "no --max_restarts"
+    if not refused and not budget.allow():
+      refused = "--max_restarts %d reached%s" % (
+          settings.max_restarts, " within %d s" % settings.restart_window
+          if settings.restart_window else "")
+    if refused:
+      print("epl-launch: failed%s; logs in %s" % (
+          "" if not settings.max_restarts else " (not restarted: %s)" % refused,
+          os.path.abspath(settings.log_dir)), flush=True)
+      return 1
+    attempt += 1
+    print("epl-launch: restart %d of at most %d: worker %d failed (%s); starting every worker "
+          "again, to resume from the last checkpoint" % (
+              attempt, settings.max_restarts, index, describe_exit(exit_code)), flush=True)
+    time.sleep(RESTART_PAUSE)
+
+
+RESTART_PAUSE = 1.0           # seconds between a failed run and the restart
 
 
 if __name__ == "__main__":

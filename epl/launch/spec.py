@@ -8,7 +8,9 @@ import json
 import os
 import socket
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
+
+from epl.cluster import default_job_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +23,15 @@ class Settings:
   debug: bool
   script: str
   script_args: Tuple[str, ...]
+  job_id: str = "job"
+  port_range: Optional[Tuple[int, int]] = None
+  max_restarts: int = 0
+  restart_window: int = 0          # seconds; 0: restarts count over the whole run
+
+  @property
+  def local_hosts(self):
+    """True when epl-launch picked the addresses (localhost, free ports)."""
+    return all(h.startswith("localhost:") for h in self.hosts) and self.machine_rank is None
 
   @property
   def local_ranks(self):
@@ -50,41 +61,106 @@ def parser():
   p.add_argument("--log_dir", default="epl_logs", help="where every worker's log goes")
   p.add_argument("--debug", action="store_true",
                  help="epl's DEBUG logs (plan, passes, collectives, barrier) and TF's own logs")
+  p.add_argument("--job_id", default=None,
+                 help="the job's name (default: derived from --machine_list, or random on "
+                      "localhost); a worker given another job's address fails at start-up")
+  p.add_argument("--port_range", default=None, metavar="LOW-HIGH",
+                 help="ports the workers' servers may use (free ones are picked on localhost; "
+                      "--machine_list hosts without a port get LOW + their position)")
+  p.add_argument("--max_restarts", type=int, default=None,
+                 help="after a worker fails, stop every worker and start the job again (it "
+                      "resumes from the last checkpoint), at most this often (default 0)")
+  p.add_argument("--restart_window", type=int, default=None, metavar="SECONDS",
+                 help="count --max_restarts over the last SECONDS only (default 0: the whole "
+                      "run)")
   p.add_argument("script", help="a .py runs under python, anything else under bash")
   p.add_argument("script_args", nargs=argparse.REMAINDER)
   return p
 
 
-def free_ports(count):
-  """Ports the OS reports free now (bound, read, released)."""
+def free_ports(count, port_range=None):
+  """Ports the OS reports free now on every interface, as TensorFlow's server binds them
+  (bound, read, released); from ``port_range`` (low, high) when given.
+
+  Raises:
+    SystemExit: the range has fewer than ``count`` free ports.
+  """
   socks, ports = [], []
+  candidates = range(port_range[0], port_range[1] + 1) if port_range else [0] * count
   try:
-    for _ in range(count):
+    for port in candidates:
+      if len(ports) == count:
+        break
       s = socket.socket()
-      s.bind(("127.0.0.1", 0))
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        s.bind(("", port))
+      except OSError:
+        s.close()
+        continue
       socks.append(s)
       ports.append(s.getsockname()[1])
   finally:
     for s in socks:
       s.close()
+  if len(ports) < count:
+    raise SystemExit("epl-launch: error: --port_range %d-%d has %d free port(s) for %d "
+                     "worker(s); widen it" % (port_range[0], port_range[1], len(ports), count))
   return ports
+
+
+def _port_range(text, fail):
+  if not text:
+    return None
+  try:
+    low, high = (int(x) for x in text.split("-"))
+  except ValueError:
+    fail("--port_range %r: expected LOW-HIGH, e.g. 30000-30100" % text)
+  if not 1 <= low <= high <= 65535:
+    fail("--port_range %r: expected 1 <= LOW <= HIGH <= 65535" % text)
+  return low, high
+
+
+def _launch_defaults(environ):
+  """The launch.* Config keys (EPL_LAUNCH_* in the environment): defaults of the flags, for
+  schedulers that start epl-launch themselves."""
+  from epl.config import Config            # pure: no TensorFlow
+  from epl.errors import EplError
+  try:
+    return Config(environ=environ).launch
+  except EplError as e:
+    raise SystemExit("epl-launch: error: %s" % e) from None
 
 
 DEFAULT_PORT = 22220
 
 
-def settings_from_args(args, pick_ports=free_ports):
+def settings_from_args(args, pick_ports=free_ports, environ=None):
   """Validates the parsed flags; returns Settings. Raises SystemExit(2) with a message."""
   def fail(message):
     raise SystemExit("epl-launch: error: " + message)
+  env = _launch_defaults(os.environ if environ is None else environ)
+  port_range = _port_range(args.port_range if args.port_range is not None else env.port_range,
+                           fail)
+  max_restarts = args.max_restarts if args.max_restarts is not None else env.max_restarts
+  window = args.restart_window if args.restart_window is not None else env.restart_window
+  if max_restarts < 0:
+    fail("--max_restarts must be >= 0")
+  if window < 0:
+    fail("--restart_window must be >= 0 (0: the whole run)")
   if args.num_workers < 1:
     fail("--num_workers must be >= 1")
   if args.gpu_per_worker < 1:
     fail("--gpu_per_worker must be >= 1")
   if args.machine_list:
     hosts = []
+    first = port_range[0] if port_range else DEFAULT_PORT
     for i, item in enumerate(h.strip() for h in args.machine_list.split(",") if h.strip()):
-      hosts.append(item if ":" in item else "%s:%d" % (item, DEFAULT_PORT + i))
+      hosts.append(item if ":" in item else "%s:%d" % (item, first + i))
+      port = int(hosts[-1].rsplit(":", 1)[1])
+      if port_range and not port_range[0] <= port <= port_range[1]:
+        fail("--machine_list: port %d of %s is outside --port_range %d-%d" % (
+            port, hosts[-1], *port_range))
     if len(hosts) != args.num_workers:
       fail("--machine_list names %d host(s) but --num_workers is %d" % (len(hosts),
                                                                          args.num_workers))
@@ -93,17 +169,33 @@ def settings_from_args(args, pick_ports=free_ports):
   else:
     if args.machine_rank is not None:
       fail("--machine_rank needs --machine_list (every worker must know every address)")
-    hosts = ["localhost:%d" % p for p in pick_ports(args.num_workers)]
+    hosts = ["localhost:%d" % p for p in pick_ports(args.num_workers, port_range)]
   if args.machine_rank is not None and not 0 <= args.machine_rank < args.num_workers:
     fail("--machine_rank %d is out of range for %d worker(s)" % (args.machine_rank,
                                                                   args.num_workers))
   if not os.path.exists(args.script):
     fail("script %r not found" % args.script)
+  job_id = args.job_id or env.job_id or (
+      default_job_id(hosts) if args.machine_list else "job-" + os.urandom(5).hex())
+  if not all(c.isalnum() or c in "-_." for c in job_id):
+    fail("--job_id %r: use letters, digits, '-', '_' and '.'" % job_id)
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
-                  args.log_dir, args.debug, args.script, tuple(args.script_args))
+                  args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
+                  port_range, max_restarts, window)
 
 
-def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, launcher_pid=None):
+def log_path(settings, index, attempt=0):
+  """worker_<i>.log; a restarted job's workers write worker_<i>.restart<k>.log."""
+  name = "worker_%d.log" % index if not attempt else "worker_%d.restart%d.log" % (index, attempt)
+  return os.path.join(settings.log_dir, name)
+
+
+def status_path(settings, index):
+  return os.path.join(settings.log_dir, "worker_%d.status" % index)
+
+
+def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, launcher_pid=None,
+                 attempt=0):
   """The argv and environment of each worker this launcher starts (pure).
 
   Args:
@@ -111,6 +203,7 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
     base_env: the environment to extend (os.environ).
     gpus_on_host: GPUs visible on this host; workers sharing a host get disjoint slices.
     launcher_pid: this launcher's pid (workers stop when it is gone).
+    attempt: how many times the job was restarted before (0: the first start).
   """
   specs = []
   interpreter = [python] if settings.script.endswith(".py") else ["bash"]
@@ -123,6 +216,9 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
                                    "task": {"type": "worker", "index": index}})
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(settings.gpu_per_worker)
     env["EPL_LAUNCH_WORKER_INDEX"] = str(index)
+    env["EPL_LAUNCH_JOB_ID"] = settings.job_id
+    env["EPL_LAUNCH_ATTEMPT"] = str(attempt)
+    env["EPL_LAUNCH_STATUS_FILE"] = os.path.abspath(status_path(settings, index))
     if launcher_pid is not None:
       env["EPL_LAUNCH_PARENT_PID"] = str(launcher_pid)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if settings.debug else "2")
@@ -135,6 +231,5 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
       env["CUDA_VISIBLE_DEVICES"] = ",".join(
           str(g) for g in range(first, first + settings.gpu_per_worker))
     argv = tuple(interpreter + [settings.script] + list(settings.script_args))
-    specs.append(WorkerSpec(index, argv, env,
-                            os.path.join(settings.log_dir, "worker_%d.log" % index)))
+    specs.append(WorkerSpec(index, argv, env, log_path(settings, index, attempt)))
   return specs

@@ -15,6 +15,7 @@ from epl import annotate
 from epl.errors import RuntimeStateError
 from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
+from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
 from epl.runtime import driver, faults, serve
 from epl.runtime.feeds import ALL
@@ -36,6 +37,8 @@ class Dispatcher:
     self._peers = None            # faults.PeerWatch of a multi-worker job
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
+    self._status = None           # a step detector until the first training step ran, when
+                                  # epl-launch wants to hear of it (launch.status_file)
 
   def manages(self, graph):
     return graph is self.state.graph
@@ -115,8 +118,12 @@ class Dispatcher:
   def _rewrite(self):
     state = self.state
     pg = driver.rewrite(state)
+    status_file = state.config.launch.status_file
     if pg.worker.serve_only:
+      launch_status.report(status_file, launch_status.RUNNING, worker=state.cluster.worker_index)
       serve.serve(state)
+    elif status_file:
+      self._status = Progress(pg, 0)
     every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
     if every and not pg.plan.is_local:
       self._progress = Progress(pg, every, clients=len(pg.plan.clients))
@@ -136,6 +143,13 @@ class Dispatcher:
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
+    if self._status is not None and self._status.trains_fetches(session.graph, fetches):
+      self._status = None                                 # the first training step only
+      resumed = _global_step(session, original)
+      result = self.run(session, original, fetches, feed_dict, options, run_metadata)
+      launch_status.report(self.state.config.launch.status_file, launch_status.RUNNING,
+                           worker=self.state.cluster.worker_index, global_step=resumed)
+      return result
     if self._check is not None and self._check[1].trains_fetches(session.graph, fetches):
       check, self._check = self._check[0], None       # the first training step only
       log.info("gradient_checkpoint.check_gradients: checking the recomputed tensors in this "
@@ -210,6 +224,17 @@ class Dispatcher:
 # a run TF rejects as a duplicate request runs again at most this many times (each rejection
 # is a fresh draw: three in a row do not happen by chance)
 RERUNS = 3
+
+
+def _global_step(session, original):
+  """The value of the graph's global step (None when it has none or cannot be read)."""
+  step = tf.train.get_global_step(session.graph)
+  if step is None:
+    return None
+  try:
+    return int(original(session, step, None, None, None))
+  except (tf.errors.OpError, TypeError, ValueError):
+    return None
 
 
 def _rank_of(graph, op):

@@ -5,8 +5,21 @@ default session config carries the collective group leader (task 0) — without 
 cross-process collectives hang silently — and the virtual CPU devices. Before the user's
 graph runs, all workers meet in a barrier (a one-element all-reduce with a deadline), so a
 worker that never starts becomes an error on the others instead of an endless wait.
+
+Before the barrier, every worker checks that each address it was given is a worker of its own
+job (``meet_peers``): it publishes its job id (``launch.job_id``) in a variable on its own task
+and reads every peer's. A worker handed another job's address fails at once with both jobs
+named, before any collective could join that job's. The reads must not disturb a job they
+reach by mistake: a TF worker drops every session of a master task when a master of the same
+task name but another incarnation creates a session on it (SessionMgr: "found old
+WorkerSessions created by the same master task with a different incarnation"), so a plain
+session of worker 0 of one job would end the running sessions of worker 0 of another on that
+worker. The reads therefore run in sessions whose master has a name of its own (a
+``ClusterDef`` with a one-task ``epl_probe_<random>`` job at this server's address) and share
+the peer's state (``share_session_state_in_clusterspec_propagation``).
 """
 import logging
+import os
 import socket
 import time
 
@@ -15,6 +28,7 @@ from tensorflow.python.ops import collective_ops
 
 from epl.cluster import JOB
 from epl.errors import EplError
+from epl.runtime import faults
 
 log = logging.getLogger("epl")
 _SERVERS = {}           # (hosts, index) -> server: a process can start a server only once
@@ -93,6 +107,105 @@ def session_target_config(cluster, user_config):
   return user_config
 
 
+JOB_ID_VARIABLE = "epl.job_id"      # shared name of the string each worker publishes
+_PEER_READ_MS = 2000
+_UNKNOWN_DEVICE = "unknown device"
+
+
+def _job_id_variable(worker):
+  with tf.device("/job:%s/replica:0/task:%d/device:CPU:0" % (JOB, worker)):
+    return tf.raw_ops.VariableV2(shape=[], dtype=tf.string, shared_name=JOB_ID_VARIABLE,
+                                 name="job_id_%d" % worker)
+
+
+def _task_filter(*workers):
+  return tf.ConfigProto(device_filters=["/job:%s/task:%d" % (JOB, w) for w in workers])
+
+
+def _probe_config(server, cluster, worker):
+  """A session config whose master is ``/job:epl_probe_<random>/task:0`` (this server) and
+  whose only other task is ``worker`` (see the module docstring)."""
+  config = tf.ConfigProto()
+  probe = config.cluster_def.job.add()
+  probe.name = "epl_probe_" + os.urandom(5).hex()
+  probe.tasks[0] = server.target[len("grpc://"):] if server.target.startswith("grpc://") \
+      else server.target
+  peers = config.cluster_def.job.add()
+  peers.name = JOB
+  peers.tasks[worker] = cluster.worker_hosts[worker]
+  config.experimental.share_session_state_in_clusterspec_propagation = True
+  return config
+
+
+def meet_peers(server, cluster, job_id, timeout, clock=time.time, pause=0.5):
+  """Publishes ``job_id`` on this worker's task and waits until every peer published the same.
+
+  Raises:
+    StartupError: a peer's address is a worker of another job, or a TensorFlow server that is
+      not this job's worker there (both named), or a peer did not publish within ``timeout``.
+  """
+  me = cluster.worker_index
+  graph = tf.Graph()
+  with graph.as_default():
+    publish = tf.assign(_job_id_variable(me), "%s|%d" % (job_id, me), validate_shape=False)
+  with tf.Session(server.target, graph=graph, config=_task_filter(me)) as sess:
+    sess.run(publish)
+  reads = {}                                   # peer -> (its graph, the read of its id)
+  for w in range(cluster.worker_num):
+    if w != me:
+      reads[w] = tf.Graph()
+      with reads[w].as_default():
+        reads[w] = (reads[w], tf.identity(_job_id_variable(w)))
+  deadline = clock() + timeout
+  waiting = {}                                  # peer -> why it is not confirmed yet
+  for w in reads:
+    waiting[w] = "not started"
+  while waiting:
+    for w in sorted(waiting):
+      address = cluster.worker_hosts[w]
+      if not faults.reachable(address, timeout=1.0):     # TF's session creation would wait
+        waiting[w] = "does not answer"
+        continue
+      try:
+        peer_graph, read = reads[w]
+        with tf.Session(server.target, graph=peer_graph,
+                        config=_probe_config(server, cluster, w)) as sess:
+          value = sess.run(read, options=tf.RunOptions(timeout_in_ms=_PEER_READ_MS))
+      except tf.errors.InvalidArgumentError as e:
+        if _UNKNOWN_DEVICE not in str(e):
+          raise
+        raise StartupError(
+            "worker %d of job %s: %s, given for worker %d, is a TensorFlow server of another "
+            "job (it is not task %d of %d workers). Check TF_CONFIG / --machine_list: every "
+            "worker of a job must get the same list" % (me, job_id, address, w, w,
+                                                        cluster.worker_num)) from None
+      except tf.errors.FailedPreconditionError:
+        waiting[w] = "started its server, not yet epl"
+        continue
+      except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+              tf.errors.AbortedError, tf.errors.CancelledError, tf.errors.InternalError):
+        waiting[w] = "does not answer"
+        continue
+      their_job, _, their_index = value.decode("utf-8", "replace").rpartition("|")
+      if their_job != job_id or their_index != str(w):
+        raise StartupError(
+            "worker %d of job %s: %s, given for worker %d, is worker %s of job %s. Two jobs "
+            "were given each other's addresses: check TF_CONFIG / --machine_list (or set the "
+            "same launch.job_id / --job_id on every worker of one job)" % (
+                me, job_id, address, w, their_index, their_job))
+      del waiting[w]
+    if waiting and clock() > deadline:
+      raise StartupError(
+          "worker %d: not every one of the %d workers joined within %.0f s (%s). Check that "
+          "every worker was started, with the same TF_CONFIG / --machine_list, or raise "
+          "cluster.startup_timeout" % (me, cluster.worker_num, timeout, "; ".join(
+              "worker %d at %s %s" % (w, cluster.worker_hosts[w], why)
+              for w, why in sorted(waiting.items()))))
+    if waiting:
+      time.sleep(pause)
+  log.debug("every peer is a worker of job %s", job_id)
+
+
 _barriers = [0]
 
 
@@ -120,10 +233,9 @@ def barrier(server, cluster, timeout, instance=1, size=None, group_key=BARRIER_G
       joined = sess.run(ping, options=tf.RunOptions(timeout_in_ms=int(timeout * 1000)))
   except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
           tf.errors.InternalError, tf.errors.CancelledError, tf.errors.AbortedError) as e:
-    from epl.runtime.faults import reachable
     silent = ["worker %d at %s does not answer" % (w, h)
               for w, h in enumerate(cluster.worker_hosts[:size])
-              if w != cluster.worker_index and not reachable(h)]
+              if w != cluster.worker_index and not faults.reachable(h)]
     raise StartupError(
         "worker %d: not every one of the %d workers joined within %.0f s (%s%s: %s). Check "
         "that every worker was started, with the same TF_CONFIG / --machine_list, or raise "
