@@ -3,7 +3,7 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * ten hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
+  * eleven hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
     receives their events (epl.runtime.hooks) and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
@@ -27,6 +27,10 @@ Two kinds of things live here:
                                              local)
     training.saver.Saver.save                only the chief writes checkpoints, even when every
                                              worker's script passes is_chief=True
+    training.saver.Saver.restore             a checkpoint written without epl's own state
+                                             (AMP's loss scale: ``epl_*`` variables) restores,
+                                             that state starting afresh (a job resumed with
+                                             AMP turned on)
     summary.writer.FileWriter.add_event      only the chief writes summaries (add_summary
       and ._add_event                        and friends go through _add_event)
     from_tensor_slices_op                    io.slicing: a constant list of file names (the
@@ -48,7 +52,6 @@ import inspect
 import re
 import threading
 
-from tensorflow.core.framework import attr_value_pb2 as _attr_value
 from tensorflow.python.client import session as _session
 from tensorflow.python.data.ops import from_tensor_slices_op as _slices
 from tensorflow.python.framework import ops as _ops
@@ -61,6 +64,7 @@ from tensorflow.python.ops import variables as _variables
 from tensorflow.python.training import monitored_session as _monitored_session
 from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
+from tensorflow.python.training import checkpoint_utils as _checkpoint_utils
 from tensorflow.python.training import saver as _saver
 
 from epl._tf_compat import native
@@ -70,59 +74,10 @@ from epl.sharding import rules as _split_rules
 from epl.sharding import sharded as _sharded
 
 
-# ---- private accessors -----------------------------------------------------------------------
-def op_id(op):
-  """Creation-order id of ``op`` in its graph (monotonic; not equal to ``graph.version``)."""
-  return op._id  # pylint: disable=protected-access
-
-
-def set_device(op, device):
-  op._set_device(device)  # pylint: disable=protected-access
-
-
-def update_input(op, index, tensor):
-  op._update_input(index, tensor)  # pylint: disable=protected-access
-
-
-def control_outputs(op):
-  """Ops that have ``op`` as a control input."""
-  return op._control_outputs  # pylint: disable=protected-access
-
-
-def in_control_flow(op):
-  """True for an op built inside a v1 ``tf.cond`` branch or ``tf.while_loop`` body (its
-  Python control-flow context; ops TF imported or epl cloned have none)."""
-  return getattr(op, "_control_flow_context", None) is not None
-
-
-def drop_colocation(op, names):
-  """Removes ``op``'s colocation with each variable in ``names`` (its ``_class`` entries)."""
-  groups = [g for g in op.node_def.attr["_class"].list.s if g[len(b"loc:@"):].decode() not in
-            names] if "_class" in op.node_def.attr else None
-  if groups:
-    op._set_attr("_class", _attr_value.AttrValue(list=_attr_value.AttrValue.ListValue(s=groups)))
-  elif groups is not None:
-    op._clear_attr("_class")  # pylint: disable=protected-access
-
-
-def add_control_inputs(op, control_ops):
-  if control_ops:
-    op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
-
-
-def replace_control_inputs(op, replacements):
-  """Makes ``op`` wait for ``replacements[x]`` instead of each control input ``x`` it names
-  (``None``: no longer wait for ``x``)."""
-  old = list(op.control_inputs)
-  if not any(x in replacements for x in old):
-    return
-  new = []
-  for x in old:
-    y = replacements.get(x, x)
-    if y is not None and y not in new:
-      new.append(y)
-  op._remove_all_control_inputs()  # pylint: disable=protected-access
-  op._add_control_inputs(new)  # pylint: disable=protected-access
+# ---- private accessors (graph_edit.py) and the finalized-graph escape ----------------------
+from epl._tf_compat.graph_edit import (  # noqa: E402,F401  pylint: disable=wrong-import-position
+    add_control_inputs, control_outputs, drop_colocation, in_control_flow, op_id,
+    replace_control_inputs, set_device, update_input)
 
 
 @contextlib.contextmanager
@@ -252,6 +207,34 @@ def _saver_save_hook(original):
   return save
 
 
+OWN_STATE = "epl_"        # name prefix of the variables epl itself adds (AMP's loss scale)
+
+
+def _saver_restore_hook(original):
+  def restore(self, sess, save_path):
+    if not save_path or not _manages(sess.graph) or self._var_list is None:  # pylint: disable=protected-access
+      return original(self, sess, save_path)
+    graph = sess.graph
+    saved = {name for name, _ in _checkpoint_utils.list_variables(save_path)}
+    missing = [v for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES)
+               if v.op.name.startswith(OWN_STATE) and v.op.name not in saved]
+    if not missing:
+      return original(self, sess, save_path)
+    names = {v.op.name for v in missing}
+    listed = self._var_list  # pylint: disable=protected-access
+    keep = {k: v for k, v in listed.items() if k not in names} if isinstance(listed, dict) \
+        else [v for v in listed if getattr(getattr(v, "op", None), "name", None) not in names]
+    with unfinalized(graph), graph.as_default():
+      partial = _saver.Saver(var_list=keep, sharded=self._sharded)  # pylint: disable=protected-access
+      fresh = _variables.variables_initializer(missing)
+    # unhooked and first: the restore's replica sync (after it) reads every variable
+    _ORIGINALS[(_session.BaseSession, "run")](sess, fresh)
+    result = original(partial, sess, save_path)
+    _listener.restored_without(sorted(names), save_path)
+    return result
+  return restore
+
+
 def _add_event_hook(original):
   def add_event(self, *args, **kwargs):
     if _listener is not None and not _listener.is_chief(None):
@@ -363,6 +346,7 @@ _HOOKS = (
     (_session.BaseSession, "__init__", _session_init_hook),
     (_session.BaseSession, "run", _session_run_hook),
     (_saver.Saver, "save", _saver_save_hook),
+    (_saver.Saver, "restore", _saver_restore_hook),
     (_writer.FileWriter, "add_event", _add_event_hook),
     (_writer.FileWriter, "_add_event", _add_event_hook),
     (_slices._TensorSliceDataset, "__init__", _slices_hook),  # pylint: disable=protected-access

@@ -49,6 +49,10 @@ class Dispatcher:
       return True
     return self.state.cluster.worker_index == 0
 
+  def restored_without(self, names, path):
+    log.info("the checkpoint %s has no %s (written without the feature that keeps it): "
+             "starting from its initial value", path, ", ".join(names))
+
   def slice_files(self, graph, files, is_files):
     """This worker's share of a file list (io.slicing), or None to leave it alone."""
     state = self.state

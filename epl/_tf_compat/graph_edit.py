@@ -1,0 +1,58 @@
+"""Accessors for TensorFlow's private graph-editing methods (op ids, in-place input, device
+and control-input edits), so that a TF upgrade that renames them breaks this file only.
+Re-exported by ``epl._tf_compat``."""
+from tensorflow.core.framework import attr_value_pb2 as _attr_value
+
+
+def op_id(op):
+  """Creation-order id of ``op`` in its graph (monotonic; not equal to ``graph.version``)."""
+  return op._id  # pylint: disable=protected-access
+
+
+def set_device(op, device):
+  op._set_device(device)  # pylint: disable=protected-access
+
+
+def update_input(op, index, tensor):
+  op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def control_outputs(op):
+  """Ops that have ``op`` as a control input."""
+  return op._control_outputs  # pylint: disable=protected-access
+
+
+def in_control_flow(op):
+  """True for an op built inside a v1 ``tf.cond`` branch or ``tf.while_loop`` body (its
+  Python control-flow context; ops TF imported or epl cloned have none)."""
+  return getattr(op, "_control_flow_context", None) is not None
+
+
+def drop_colocation(op, names):
+  """Removes ``op``'s colocation with each variable in ``names`` (its ``_class`` entries)."""
+  groups = [g for g in op.node_def.attr["_class"].list.s if g[len(b"loc:@"):].decode() not in
+            names] if "_class" in op.node_def.attr else None
+  if groups:
+    op._set_attr("_class", _attr_value.AttrValue(list=_attr_value.AttrValue.ListValue(s=groups)))
+  elif groups is not None:
+    op._clear_attr("_class")  # pylint: disable=protected-access
+
+
+def add_control_inputs(op, control_ops):
+  if control_ops:
+    op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
+
+
+def replace_control_inputs(op, replacements):
+  """Makes ``op`` wait for ``replacements[x]`` instead of each control input ``x`` it names
+  (``None``: no longer wait for ``x``)."""
+  old = list(op.control_inputs)
+  if not any(x in replacements for x in old):
+    return
+  new = []
+  for x in old:
+    y = replacements.get(x, x)
+    if y is not None and y not in new:
+      new.append(y)
+  op._remove_all_control_inputs()  # pylint: disable=protected-access
+  op._add_control_inputs(new)  # pylint: disable=protected-access
