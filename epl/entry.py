@@ -71,11 +71,12 @@ def init(config=None):
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
                                cluster.worker_index, limit)):
       started = time.time()
+      job_id = config.launch.job_id or default_job_id(cluster.worker_hosts)
       state.server = server.start_server(cluster)
-      server.meet_peers(state.server, cluster, config.launch.job_id or
-                        default_job_id(cluster.worker_hosts), limit)
+      server.meet_peers(state.server, cluster, job_id, limit)
       server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
                      instance=server.next_barrier())
+      server.publish(state.server, cluster, job_id, server.RUNNING)
     if config.communication.unique_request_ids:
       why = compat.unique_request_ids()
       if why:

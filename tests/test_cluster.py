@@ -316,3 +316,23 @@ def test_epl_launch_prints_its_ports_and_keeps_to_the_port_range(bed, tmp_path):
   host.proc.send_signal(2)                                      # Ctrl-C
   assert host.wait(60) != 0
   blocker.kill()
+
+
+# ---- restarts across hosts -----------------------------------------------------------------
+def test_a_worker_killed_on_one_host_restarts_the_job_on_every_host(bed, tmp_path):
+  # each host's epl-launch restarts its own worker: host 0's when its worker loses the peer,
+  # host 1's when its worker is killed; the new workers meet (waiting for a worker of the
+  # previous start that has not yet noticed) and resume from the shared checkpoint directory
+  b = bed(2)
+  script = [os.path.join(WORKERS, "restart_worker.py"), str(tmp_path / "ck"), str(tmp_path),
+            "400"]
+  hosts = _launch_all(b, 2, 1, ["--max_restarts", "1"] + script, tmp_path)
+  pid = int(re.search(r"worker 1 started \(pid (\d+)\)",
+                      (hosts[1].wait_for(r"worker 1 started \(pid"), hosts[1].out)[1]).group(1))
+  hosts[0].wait_for(r"worker 0 step 40\b")
+  os.kill(pid, 9)
+  assert [h.wait(240) for h in hosts] == [0, 0], [h.out[-3000:] for h in hosts]
+  for h in hosts:
+    assert re.search(r"restart 1 of at most 1: worker %d failed" % h.rank, h.out), h.out[-3000:]
+  assert re.search(r"restart 1 resumed at global_step [1-9]\d*", hosts[0].out)
+  assert dict(np.load(tmp_path / "final_0.npz"))["global_step"] == 400

@@ -94,6 +94,7 @@ def test_exit_descriptions_and_console_filter():
       "I0000 00:00:1 port.cc:153] oneDNN custom operations are on.",
       "/x.py:3: UserWarning: `tf.layers.dense` is deprecated and will be removed.",
       "  h = tf.layers.dense(x, 16)",
+      "Use standard file utilities to get mtimes.",
       "Iteration 1 , Loss: 2.3 .",
       "E0000 00:00:1 base_collective_executor.cc:252] StartAbort UNAVAILABLE",
   ] if noise.keep(line)]

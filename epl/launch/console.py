@@ -27,6 +27,7 @@ NOISE = tuple(re.compile(p) for p in (
     r"^non-resource variables are not supported in the long term",
     r"^Colocations handled automatically by placer\.",
     r"^Use tf\.(gfile|compat|keras|data|identity|cast|where)",
+    r"^Use standard file (utilities|APIs) ",
     r"^Prefer Variable\.assign which has equivalent behavior",
     r"Warning: `tf\.layers\.[a-z_0-9]+` is deprecated",
     r"^[A-Za-z]*Warning: ",

@@ -137,19 +137,33 @@ def _probe_config(server, cluster, worker):
   return config
 
 
+STARTING, RUNNING = "starting", "running"
+
+
+def publish(server, cluster, job_id, phase):
+  """Sets this worker's ``job id|index|phase`` (``STARTING`` until every worker met in the
+  barrier, then ``RUNNING``)."""
+  me = cluster.worker_index
+  graph = tf.Graph()
+  with graph.as_default():
+    assign = tf.assign(_job_id_variable(me), "%s|%d|%s" % (job_id, me, phase),
+                       validate_shape=False)
+  with tf.Session(server.target, graph=graph, config=_task_filter(me)) as sess:
+    sess.run(assign)
+
+
 def meet_peers(server, cluster, job_id, timeout, clock=time.time, pause=0.5):
   """Publishes ``job_id`` on this worker's task and waits until every peer published the same.
+
+  A peer that is past the barrier belongs to the job's previous start (a restart met a
+  process that has not yet noticed it): it is waited for, as one that has not started.
 
   Raises:
     StartupError: a peer's address is a worker of another job, or a TensorFlow server that is
       not this job's worker there (both named), or a peer did not publish within ``timeout``.
   """
   me = cluster.worker_index
-  graph = tf.Graph()
-  with graph.as_default():
-    publish = tf.assign(_job_id_variable(me), "%s|%d" % (job_id, me), validate_shape=False)
-  with tf.Session(server.target, graph=graph, config=_task_filter(me)) as sess:
-    sess.run(publish)
+  publish(server, cluster, job_id, STARTING)
   reads = {}                                   # peer -> (its graph, the read of its id)
   for w in range(cluster.worker_num):
     if w != me:
@@ -186,7 +200,13 @@ def meet_peers(server, cluster, job_id, timeout, clock=time.time, pause=0.5):
               tf.errors.AbortedError, tf.errors.CancelledError, tf.errors.InternalError):
         waiting[w] = "does not answer"
         continue
-      their_job, _, their_index = value.decode("utf-8", "replace").rpartition("|")
+      their_job, their_index, phase = (value.decode("utf-8", "replace").rsplit("|", 2) +
+                                       ["", ""])[:3]
+      if their_job == job_id and their_index == str(w) and phase == RUNNING:
+        # past the barrier while this worker has not met it: a run of the job's previous
+        # start, which ends as soon as it notices the restart (its peers are gone)
+        waiting[w] = "still runs the job's previous start"
+        continue
       if their_job != job_id or their_index != str(w):
         raise StartupError(
             "worker %d of job %s: %s, given for worker %d, is worker %s of job %s. Two jobs "
