@@ -2,6 +2,7 @@
 
   python bench/soak.py [--alone] [--seconds 600] [--cases dp2x1,dp2x2,pipe2x1,zero2x1,local1x2]
                        [--interval 10] [--checkpoint-secs 30] [--eval-every 500] [--json]
+  python bench/soak.py --cases restart2x1 --target-steps 100000 [--kill-every 120]
 
 Cases (each worker is a user's training script started from TF_CONFIG, as a scheduler or
 epl-launch starts it):
@@ -10,6 +11,10 @@ epl-launch starts it):
   pipe2x1   a 2-stage pipeline across 2 workers (a stage per worker), 4 micro-batches
   zero2x1   ZeRO v1 across 2 workers x 1 device
   local1x2  data parallelism over 2 devices of one process
+  restart2x1  data parallelism, 2 workers x 1 device, started by ``epl-launch --max_restarts
+            4 --restart_window 600``; every ``--kill-every`` seconds (120) a random worker is
+            killed with SIGKILL; the job must reach ``--target-steps`` (global_step), with one
+            restart per kill (not in the default --cases: run it by name)
 What every script does while it trains (tf.layers MLP, dataset iterator,
 MonitoredTrainingSession): a checkpoint every ``--checkpoint-secs`` by the chief, summaries
 every 100 steps, an evaluation pass (20 batches of another iterator) every ``--eval-every``
@@ -50,7 +55,9 @@ CASES = {                   # name: (workers, devices per worker, epl config)
     "pipe2x1": (2, 1, {"pipeline.num_micro_batch": 4}),
     "zero2x1": (2, 1, {"zero.level": "v1"}),
     "local1x2": (1, 2, {}),
+    "restart2x1": (2, 1, {}),      # started by epl-launch --max_restarts (drive_restarts)
 }
+RESTART_CASE = "restart2x1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -105,7 +112,8 @@ class _Sampler:
     print(json.dumps({"done": True, "samples": self.samples}), flush=True)
 
 
-def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir):
+def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir,
+           target_steps=0):
   import atexit
   import numpy as np
   import tensorflow.compat.v1 as tf
@@ -158,10 +166,13 @@ def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir)
   with tf.train.MonitoredTrainingSession(
       checkpoint_dir=checkpoint_dir, save_checkpoint_secs=checkpoint_secs,
       save_summaries_steps=100, log_step_count_steps=None) as sess:
-    last_gs = 0
+    last_gs = first_gs = int(sess.run(step))       # > 0 when restored from a checkpoint
     while True:
       steps = sampler.steps
-      if steps % VOTE_EVERY == 0 and steps:
+      if target_steps:                    # the restart case: train up to a global step
+        if last_gs >= target_steps:
+          break
+      elif steps % VOTE_EVERY == 0 and steps:
         if sess.run(votes, {vote: float(time.time() - start >= seconds)}) > 0:
           break
       if steps % 2 == 0:
@@ -177,12 +188,80 @@ def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir)
           sess.run(eval_loss)
         sampler.evals += 1
     final = int(sess.run(step))
-    if final != (sampler.steps + 1) // 2:
-      raise RuntimeError("global_step is %d after %d runs of the first train op" % (
-          final, (sampler.steps + 1) // 2))
+    if final != first_gs + (sampler.steps + 1) // 2:
+      raise RuntimeError("global_step is %d after %d runs of the first train op from %d" % (
+          final, (sampler.steps + 1) // 2, first_gs))
     sampler.gs = final
     closing.append(time.time())
   closing.append(time.time())
+
+
+# ---- the restart case: epl-launch --max_restarts, a worker killed every --kill-every s ------
+def drive_restarts(args, scratch):
+  """Runs ``restart2x1`` to ``--target-steps``; returns its report."""
+  import random
+  import re
+  import signal
+  ckpt = os.path.join(scratch, "restart2x1")
+  argv = [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2", "--max_restarts",
+          str(RESTARTS_PER_WINDOW), "--restart_window", str(RESTART_WINDOW), "--log_dir",
+          os.path.join(scratch, "restart_logs"), os.path.abspath(__file__), "--role", "worker",
+          "--cases", "restart2x1", "--target-steps", str(args.target_steps), "--interval",
+          str(args.interval), "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every",
+          str(args.eval_every), "--checkpoint-dir", ckpt]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+             EPL_LOG_PROGRESS_SECS="0",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  start = time.time()
+  launcher = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines, pids, samples = [], {}, []
+
+  def read():
+    for line in launcher.stdout:
+      lines.append((time.time() - start, line))
+      found = re.search(r"epl-launch: worker (\d+) started \(pid (\d+)\)", line)
+      if found:
+        pids[int(found.group(1))] = int(found.group(2))
+      if line.startswith("[0] {") and '"sample"' in line:
+        samples.append(json.loads(line[4:]))
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  kills, pick = [], random.Random(args.seed)
+  next_kill = start + args.kill_every
+  while launcher.poll() is None:
+    time.sleep(0.5)
+    if time.time() >= next_kill and pids:
+      victim = pick.choice(sorted(pids))
+      gs = samples[-1]["gs"] if samples else 0
+      try:
+        os.kill(pids.pop(victim), signal.SIGKILL)
+        kills.append({"t": round(time.time() - start), "worker": victim, "gs_before": gs})
+      except ProcessLookupError:
+        pass
+      next_kill += args.kill_every
+  reader.join(10)
+  seconds = time.time() - start
+  text = "".join(l for _, l in lines)
+  restarts = [(round(t), l.strip()) for t, l in lines if re.search(
+      r"epl-launch: restart \d+ of at most", l)]
+  resumed = [int(g) for g in re.findall(r"restart \d+ resumed at global_step (\d+)", text)]
+  final = samples[-1]["gs"] if samples else 0
+  problems = []
+  if launcher.returncode != 0:
+    problems.append("epl-launch exited with %s:\n%s" % (launcher.returncode, text[-3000:]))
+  if final != args.target_steps:
+    problems.append("reached global_step %d of %d" % (final, args.target_steps))
+  if len(restarts) != len(kills):
+    problems.append("%d kill(s) but %d restart(s)" % (len(kills), len(restarts)))
+  for k, gs in zip(kills, resumed):
+    k["resumed_at"] = gs
+  return {"restart2x1": {"seconds": round(seconds), "target_steps": args.target_steps,
+                         "final_gs": final, "kills": kills, "restarts": len(restarts),
+                         "steps_per_s": round(final / seconds, 1), "problems": problems}}
+
+
+RESTARTS_PER_WINDOW, RESTART_WINDOW = 4, 600     # a kill every 2 minutes fits 5 per 10 min
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -256,16 +335,29 @@ def drive(cases, args):
   import tempfile
   report = {}
   with tempfile.TemporaryDirectory(prefix="epl-soak-") as scratch:
+    if RESTART_CASE in cases:
+      cases = [c for c in cases if c != RESTART_CASE]
+      report.update(drive_restarts(args, scratch))
     if args.alone:
       for case in cases:
         report.update(_collect(_start(case, args, scratch), args.seconds))
-    else:
+    elif cases:
       procs = [p for case in cases for p in _start(case, args, scratch)]
       report.update(_collect(procs, args.seconds))
   if args.json:
     print(json.dumps(report))
   else:
     for name, r in report.items():
+      if name == RESTART_CASE:
+        print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
+            r["problems"])))
+        print("    %d s, global_step %d of %d, %d kill(s), %d restart(s), %.1f steps/s "
+              "overall" % (r["seconds"], r["final_gs"], r["target_steps"], len(r["kills"]),
+                           r["restarts"], r["steps_per_s"]))
+        for k in r["kills"]:
+          print("    t=%5d s: killed worker %d near global_step %d, resumed at %s" % (
+              k["t"], k["worker"], k["gs_before"], k.get("resumed_at", "?")))
+        continue
       print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
           r["problems"])))
       print("    %7s %9s %9s %8s %6s %8s %8s %9s" % (
@@ -277,9 +369,10 @@ def drive(cases, args):
             s["t"], s["steps"], s["gs"], rate, s["evals"], s["rejected"], s["threads"],
             s["rss_mb"]))
         prev = s
-    total = sum(r["samples"][-1]["steps"] for n, r in report.items()
-                if r["samples"] and n.endswith("worker0"))
-    print("training steps in all cases (worker 0 of each): %d" % total)
+    if cases:
+      total = sum(r["samples"][-1]["steps"] for n, r in report.items()
+                  if n.endswith("worker0") and r["samples"])
+      print("training steps in all cases (worker 0 of each): %d" % total)
   return 0 if all(not r["problems"] for r in report.values()) else 1
 
 
@@ -287,21 +380,26 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seconds", type=float, default=600)
   p.add_argument("--interval", type=float, default=10)
-  p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--cases", default=",".join(c for c in CASES if c != RESTART_CASE))
   p.add_argument("--alone", action="store_true", help="one case at a time, at full speed")
   p.add_argument("--checkpoint-secs", type=float, default=30)
   p.add_argument("--eval-every", type=int, default=500)
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--json", action="store_true")
+  p.add_argument("--target-steps", type=int, default=20000,
+                 help="restart2x1: the global_step the job must reach")
+  p.add_argument("--kill-every", type=float, default=120,
+                 help="restart2x1: SIGKILL a random worker this often (seconds)")
+  p.add_argument("--seed", type=int, default=0, help="restart2x1: which worker is killed")
   p.add_argument("--role", default="driver", choices=["driver", "worker"])
   args = p.parse_args()
   cases = [c for c in args.cases.split(",") if c]
-  unknown = set(cases) - set(CASES)
+  unknown = set(cases) - set(CASES) - {RESTART_CASE}
   if unknown:
     p.error("unknown case(s) %s; choose from %s" % (", ".join(sorted(unknown)), ", ".join(CASES)))
   if args.role == "worker":
     worker(cases[0], args.seconds, args.interval, args.checkpoint_secs, args.eval_every,
-           args.checkpoint_dir)
+           args.checkpoint_dir, args.target_steps if cases[0] == RESTART_CASE else 0)
     return 0
   return drive(cases, args)
 

@@ -43,3 +43,18 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
     assert last["steps"] >= 1000 and last["evals"] >= 1, (name, last)
     assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
   assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_restart_case_reaches_its_steps_with_a_restart_per_kill():
+  out = subprocess.run([sys.executable, SOAK, "--cases", "restart2x1", "--target-steps", "5000",
+                        "--kill-every", "12", "--checkpoint-secs", "4", "--interval", "2",
+                        "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+  lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+  assert lines, out.stdout[-2000:] + out.stderr[-3000:]
+  r = json.loads(lines[-1])["restart2x1"]
+  if r["problems"]:
+    pytest.fail("\n".join(r["problems"]), pytrace=False)
+  assert r["final_gs"] == 5000 and r["kills"] and r["restarts"] == len(r["kills"]), r
+  for k in r["kills"]:          # resumed from a checkpoint at or before the step it died near
+    assert 0 <= k["resumed_at"] <= k["gs_before"] + 600, k
+  assert out.returncode == 0
