@@ -6,7 +6,7 @@
 #
 # Horovod 0.28.1 predates TF 2.21: it builds against it once MPI is off and the XLA MPI op
 # source (which uses TF's removed XLA custom-call registry) is left out of the TF target.
-# Needs cmake and a C++17 compiler; about 5-10 minutes on 2 cores.
+# Needs a C++17 compiler (CMake 3 comes from pip); about 5-10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
@@ -16,8 +16,10 @@ trap 'rm -rf "$work"' EXIT
 tar -xzf "$work/horovod-0.28.1.tar.gz" -C "$work"
 src="$work/horovod-0.28.1"
 sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-"$VENV/bin/pip" install -q cmake 2>/dev/null || true
+# CMake 4 refuses Gloo's CMakeLists (cmake_minimum_required below 3.5): take a CMake 3
+"$VENV/bin/pip" install -q "cmake>=3.13,<4"
 export PATH="$VENV/bin:$PATH"
+export CMAKE_POLICY_VERSION_MINIMUM=3.5        # in case a CMake 4 is found first anyway
 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_TENSORFLOW=1 \
   HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
   MAKEFLAGS="-j$(nproc)" \

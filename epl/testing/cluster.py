@@ -14,12 +14,15 @@ Example:
 """
 import atexit
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 import weakref
 
 _LIVE = weakref.WeakSet()
+_ETC = "/etc/netns"
 
 
 def _ip(*args, check=True):
@@ -74,6 +77,12 @@ class Testbed:
       self.exec_ip(name, "link", "set", link + "p", "name", "eth0")
       self.exec_ip(name, "addr", "add", address + "/24", "dev", "eth0")
       self.exec_ip(name, "link", "set", "eth0", "up")
+      # inside the host, this machine's name is the host's address (``ip netns exec`` mounts
+      # /etc/netns/<name>/hosts over /etc/hosts), as on a real host: software that finds its
+      # own address by its host name (Gloo) must not get the loopback one
+      os.makedirs(os.path.join(_ETC, name), exist_ok=True)
+      with open(os.path.join(_ETC, name, "hosts"), "w") as f:
+        f.write("127.0.0.1 localhost\n%s %s\n" % (address, socket.gethostname()))
     if rate:
       for i in range(len(self.names)):
         self.set_rate(i, rate)
@@ -145,6 +154,7 @@ class Testbed:
         pass
     for name in self.names:
       _ip("netns", "del", name, check=False)
+      shutil.rmtree(os.path.join(_ETC, name), ignore_errors=True)
     for link in self.links:
       _ip("link", "del", link, check=False)
     _ip("link", "del", self.bridge, check=False)
@@ -181,7 +191,9 @@ def leftovers():
   """Namespaces and links a testbed left behind (empty after every close)."""
   names = _ip("netns", "list", check=False).stdout.split()
   links = _ip("-o", "link", "show", check=False).stdout
+  etc = os.listdir(_ETC) if os.path.isdir(_ETC) else []
   return [n for n in names if n.startswith("eplh")] + [
+      "/etc/netns/" + n for n in etc if n.startswith("eplh")] + [
       w.split("@")[0] for w in links.split() if w.startswith(("eplb", "eplv"))]
 
 
