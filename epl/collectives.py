@@ -41,6 +41,10 @@ from epl.cluster import worker_of
 
 log = logging.getLogger("epl")
 
+# across workers on the ring, a tensor larger than this is all-reduced in pieces of this size
+# run at the same time (Collectives._ring_pieces)
+PIECE_BYTES = 4 << 20
+
 def by_worker(group, clients=None):
   """[(worker, the devices it builds, in group order)], workers in group order.
 
@@ -169,21 +173,45 @@ class Collectives:
     only the chunk each worker owns before the chunks are gathered: no pass over the whole
     result), else folded into the one multiply that undoes ``fp16_scale`` or a multiply."""
     key = self.group_key(group + (("channel", channel),) if channel else group)
-    instance = self._instance()
     divide = mean_of == len(group) and fp16_scale is None
     with tf.device(device):
       wire = tensor
       if fp16_scale is not None:
         wire = tf.cast(tensor * tf.cast(fp16_scale, tensor.dtype), tf.float16)
-      summed = collective_ops.all_reduce_v2(
-          wire, group_size=len(group), group_key=key, instance_key=instance,
-          merge_op="Add", final_op="Div" if divide else "Id", communication_hint=self.hint)
+      summed = self._ring_pieces(wire, lambda piece, instance: collective_ops.all_reduce_v2(
+          piece, group_size=len(group), group_key=key, instance_key=instance,
+          merge_op="Add", final_op="Div" if divide else "Id", communication_hint=self.hint))
       if fp16_scale is not None:
         summed = tf.cast(summed, tensor.dtype) / tf.cast(fp16_scale * (mean_of or 1),
                                                          tensor.dtype)
       elif mean_of and not divide:
         summed = summed * tf.cast(1.0 / mean_of, summed.dtype)
       return summed
+
+  def _ring_pieces(self, tensor, collective):
+    """``collective(piece, instance_key)`` over the whole tensor: one collective, or, on the
+    ring (TF's gRPC transport between workers) for a tensor over ``PIECE_BYTES``, one per
+    piece of at most that size, run at the same time, the results concatenated back.
+
+    One collective sends each ring chunk (half the tensor between 2 workers) as one RecvBuf
+    response, a protobuf message copied and parsed whole (perf: page faults and memmove in
+    its parse), with one such transfer at a time per neighbour, so the link idles while a
+    large chunk is copied: 64 MiB in one all-reduce between 2 hosts reached 0.70 of a
+    1 Gbit/s link's ring bound and 0.26 of a 10 Gbit/s one; in 16 pieces of 4 MiB 0.95
+    (Horovod/Gloo's figure) and 0.49 (bench/cluster.py, docs/benchmarks.md). Element-wise
+    collectives only (a piece's sums are the whole one's, added in a ring order that may
+    differ among 3 or more workers). NCCL pipelines large buffers itself: on GPUs a tensor
+    stays whole.
+    """
+    size = tensor.shape.num_elements() if tensor.shape.is_fully_defined() else None
+    width = tensor.dtype.size
+    if self.hint != "ring" or size is None or size * width <= PIECE_BYTES:
+      return collective(tensor, self._instance())
+    per = PIECE_BYTES // width
+    sizes = [per] * (size // per) + ([size % per] if size % per else [])
+    pieces = tf.split(tf.reshape(tensor, [-1]), sizes)
+    summed = [collective(p, self._instance()) for p in pieces]
+    return tf.reshape(tf.concat(summed, axis=0), tensor.shape)
 
   # ---- reduce-scatter across workers ---------------------------------------------------
   def reduce_scatter(self, tensors, devices, method, group, clients=None, fp16_scale=None):

@@ -79,3 +79,26 @@ def test_mean_across_workers_costs_at_most_one_pass(per_worker, chunked, fp16, f
   ops = g.get_operations()
   after = [op for op in ops[ops.index(reduces[0]):] if op.type in ("Mul", "RealDiv")]
   assert len(after) == multiplies, [op.name for op in after]
+
+
+@pytest.mark.parametrize("on_gpu,dtype,sizes", [
+    (False, tf.float32, [1 << 20, 1 << 20, 1 << 19]),    # 10 MiB: two 4 MiB pieces and one 2
+    (False, tf.float16, [1 << 21, 1 << 19]),             # 5 MiB of float16: 4 MiB and 1
+    (True, tf.float32, [5 << 19]),                       # NCCL: whole
+])
+def test_a_large_tensor_crosses_the_ring_in_pieces(on_gpu, dtype, sizes):
+  """Across workers on the ring a tensor over PIECE_BYTES is all-reduced in pieces of at most
+  that size, each its own collective instance, concatenated back to the tensor's shape."""
+  coll = Collectives(on_gpu=on_gpu)
+  kind = "GPU" if on_gpu else "CPU"
+  group = tuple("/job:worker/replica:0/task:%d/device:%s:0" % (w, kind) for w in range(2))
+  g = tf.Graph()
+  with g.as_default():
+    with tf.device(group[0]):
+      x = tf.ones([5 << 18, 2], dtype)
+    out = coll.all_reduce([x], group[:1], "mean", group=group)[0]
+  reduces = [op for op in g.get_operations() if op.type == "CollectiveReduceV2"]
+  assert [op.inputs[0].shape.num_elements() for op in reduces] == sizes
+  instances = [op.inputs[3].op.get_attr("value").int_val[0] for op in reduces]
+  assert len(set(instances)) == len(reduces)
+  assert out.shape == x.shape and out.dtype == dtype

@@ -47,6 +47,7 @@ COMMUNICATION = {"EPL_COMMUNICATION_FP16": "true", "EPL_COMMUNICATION_NUM_COMMUN
 
 AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
 ZERO = {"EPL_ZERO_LEVEL": "v0", "EPL_LOG_LEVEL": "debug"}
+PIECES = {"TEST_PIECE_BYTES": "40"}      # every bucket all-reduced in pieces of 10 floats
 ZERO_ACCUMULATE = dict(ZERO, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
@@ -69,12 +70,13 @@ def local_run(tmp_path, model, global_batch, steps, seed):
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
     (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1), (2, 2, ZERO_V1),
-    (2, 2, ZERO_V1_ACCUMULATE), (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE)],
+    (2, 2, ZERO_V1_ACCUMULATE), (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE),
+    (2, 2, PIECES)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
          "2x1 zero v0", "2x2 zero v0", "2x2 zero v0 with 2 micro-batches", "2x1 zero v1",
          "2x2 zero v1", "2x2 zero v1 with 2 micro-batches", "2x1 zero v2", "2x2 zero v2",
-         "2x2 zero v2 with 2 micro-batches"])
+         "2x2 zero v2 with 2 micro-batches", "2x2 all-reduce in pieces"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
@@ -116,6 +118,9 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
   for r in results:                                   # every worker holds the same model
     for name, value in local.variables.items():
       np.testing.assert_allclose(r[name], value, rtol=rtol, atol=rtol, err_msg=name)
+  if env is PIECES:         # more collectives than buckets, each at most a piece
+    for r in results:
+      assert len(r["__reduce_sizes__"]) > 2 and max(r["__reduce_sizes__"]) <= 10, r
   if env is COMMUNICATION:  # 3 buckets, each on its own channel (group), in float16
     for r in results:
       assert list(r["__reduce_dtypes__"]) == ["float16"] * 3

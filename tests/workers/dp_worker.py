@@ -4,6 +4,8 @@ usage: dp_worker.py OUT_DIR MODEL STEPS BATCH [COUNTS]
 Reads OUT_DIR/data.npz and OUT_DIR/initial.npz, trains on this worker's shard (by
 worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final variables.
 COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices.
+TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (default
+epl.collectives.PIECE_BYTES, 4 MiB: the test models' gradients are smaller).
 """
 import os
 import sys
@@ -34,6 +36,9 @@ def main():
   out, model, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
   raw = np.load(os.path.join(out, "data.npz"))
   initial = dict(np.load(os.path.join(out, "initial.npz")))
+  if os.environ.get("TEST_PIECE_BYTES"):
+    import epl.collectives
+    epl.collectives.PIECE_BYTES = int(os.environ["TEST_PIECE_BYTES"])
   config = epl.Config()
   cluster = epl.cluster.Cluster.from_environment(
       config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
@@ -65,6 +70,7 @@ def main():
            __exchanges__=np.array(sum(op.type == "CollectiveAllToAllV2"
                                       for op in res.graph.get_operations())),
            __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
+           __reduce_sizes__=np.array([op.inputs[0].shape.num_elements() for op in reduces]),
            __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
                                        for op in reduces]),
            **res.variables)
