@@ -384,15 +384,21 @@ def picture(bed, rate, args):
   top.set_title("one data-parallel step, 2 hosts, links capped at %s, %.0f MiB of gradients"
                 % (rate, gradient_bytes("comm") / MIB))
   colours = {"forward": "#4c9be8", "backward": "#f28e2b", "update": "#b07aa1"}
-  rows = sorted({s[0] for s in trace["spans"]})
-  offset = trace["origin"] - t0
+  # a lane per device and kind (compute, gradient all-reduce buckets): overlap shows as bars
+  # above one another; a label only where its bar is wide enough to hold it
+  lane = lambda row, label: "worker 0 %s %s" % (
+      row.split("/")[-1], "all-reduce" if label.startswith("AR") else "compute")
+  lanes = sorted({lane(row, label) for row, label, _, _ in trace["spans"]})
+  offset, width = trace["origin"] - t0, trace["end"] - t0
   for row, label, start, end in trace["spans"]:
-    y = rows.index(row)
+    y = lanes.index(lane(row, label))
     bottom.barh(y, (end - start) / 1e6, left=offset + start / 1e6, height=0.6,
-                color=colours.get(label, "#59a14f"))
-    bottom.text(offset + (start + end) / 2e6, y, label, ha="center", va="center", fontsize=7)
-  bottom.set_yticks(range(len(rows)))
-  bottom.set_yticklabels(["worker 0 " + r.split("/")[-1] for r in rows], fontsize=8)
+                color=colours.get(label, "#59a14f"), edgecolor="white", linewidth=0.6)
+    if (end - start) / 1e6 > width / 30:
+      bottom.text(offset + (start + end) / 2e6, y, label, ha="center", va="center",
+                  fontsize=7)
+  bottom.set_yticks(range(len(lanes)))
+  bottom.set_yticklabels(lanes, fontsize=8)
   bottom.set_xlabel("seconds from the start of the step")
   fig.tight_layout()
   fig.savefig(args.png, dpi=110)
