@@ -12,7 +12,7 @@ epl-launch starts it):
   zero2x1   ZeRO v1 across 2 workers x 1 device
   local1x2  data parallelism over 2 devices of one process
   restart2x1  data parallelism, 2 workers x 1 device, started by ``epl-launch --max_restarts
-            6 --restart_window 600``; every ``--kill-every`` seconds (120) a random worker is
+            6 --restart_window`` 5 x ``--kill-every`` (600 s); every ``--kill-every`` seconds (120) a random worker is
             killed with SIGKILL; the job must reach ``--target-steps`` (global_step), with one
             restart per kill (not in the default --cases: run it by name)
 What every script does while it trains (tf.layers MLP, dataset iterator,
@@ -204,7 +204,8 @@ def drive_restarts(args, scratch):
   import signal
   ckpt = os.path.join(scratch, "restart2x1")
   argv = [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2", "--max_restarts",
-          str(RESTARTS_PER_WINDOW), "--restart_window", str(RESTART_WINDOW), "--log_dir",
+          str(RESTARTS_PER_WINDOW), "--restart_window",
+          str(int(round(KILLS_PER_WINDOW * args.kill_every))), "--log_dir",
           os.path.join(scratch, "restart_logs"), os.path.abspath(__file__), "--role", "worker",
           "--cases", "restart2x1", "--target-steps", str(args.target_steps), "--interval",
           str(args.interval), "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every",
@@ -261,9 +262,11 @@ def drive_restarts(args, scratch):
                          "steps_per_s": round(final / seconds, 1), "problems": problems}}
 
 
-# a kill every 2 minutes puts up to 6 restarts in a 10-minute window (kills at 0, 120, ...,
-# 600 s of it): the budget must hold them all, or the launcher rightly gives up at the 5th
-RESTARTS_PER_WINDOW, RESTART_WINDOW = 6, 600
+# a kill every K seconds puts up to 6 restarts in a window of 5 K (kills at 0, K, ..., 5 K of
+# it): the budget must hold them all, or the launcher rightly gives up at the 7th. The window
+# follows K: a fixed one (600 s) gave up on a slow machine where a short test run (K = 12 s)
+# took longer than 6 K to reach its steps
+RESTARTS_PER_WINDOW, KILLS_PER_WINDOW = 6, 5
 
 
 # ---- the driver ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 tf.disable_v2_behavior()
 
 import epl  # noqa: E402
+import epl.collectives  # noqa: E402
 from epl.testing import run_model  # noqa: E402
 from tests import models  # noqa: E402
 
@@ -37,7 +38,6 @@ def main():
   raw = np.load(os.path.join(out, "data.npz"))
   initial = dict(np.load(os.path.join(out, "initial.npz")))
   if os.environ.get("TEST_PIECE_BYTES"):
-    import epl.collectives
     epl.collectives.PIECE_BYTES = int(os.environ["TEST_PIECE_BYTES"])
   config = epl.Config()
   cluster = epl.cluster.Cluster.from_environment(
