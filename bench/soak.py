@@ -12,9 +12,10 @@ epl-launch starts it):
   zero2x1   ZeRO v1 across 2 workers x 1 device
   local1x2  data parallelism over 2 devices of one process
   restart2x1  data parallelism, 2 workers x 1 device, started by ``epl-launch --max_restarts
-            6 --restart_window`` 5 x ``--kill-every`` (600 s); every ``--kill-every`` seconds (120) a random worker is
-            killed with SIGKILL; the job must reach ``--target-steps`` (global_step), with one
-            restart per kill (not in the default --cases: run it by name)
+            6 --restart_window`` 5 x ``--kill-every`` (600 s); ``--kill-every`` seconds (120)
+            after the job trains again a random worker is killed with SIGKILL; the job must
+            reach ``--target-steps`` (global_step) before ``--deadline``, with one restart per
+            kill (not in the default --cases: run it by name)
 What every script does while it trains (tf.layers MLP, dataset iterator,
 MonitoredTrainingSession): a checkpoint every ``--checkpoint-secs`` by the chief, summaries
 every 100 steps, an evaluation pass (20 batches of another iterator) every ``--eval-every``
@@ -217,6 +218,7 @@ def drive_restarts(args, scratch):
   launcher = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
   lines, pids, samples = [], {}, []
+  fresh = [0]      # samples from this index on come from workers started since the last kill
 
   def read():
     for line in launcher.stdout:
@@ -224,23 +226,37 @@ def drive_restarts(args, scratch):
       found = re.search(r"epl-launch: worker (\d+) started \(pid (\d+)\)", line)
       if found:
         pids[int(found.group(1))] = int(found.group(2))
+        fresh[0] = len(samples)
       if line.startswith("[0] {") and '"sample"' in line:
         samples.append(json.loads(line[4:]))
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
-  kills, pick = [], random.Random(args.seed)
-  next_kill = start + args.kill_every
-  while launcher.poll() is None:
-    time.sleep(0.5)
-    if time.time() >= next_kill and pids:
-      victim = pick.choice(sorted(pids))
-      gs = samples[-1]["gs"] if samples else 0
-      try:
-        os.kill(pids.pop(victim), signal.SIGKILL)
-        kills.append({"t": round(time.time() - start), "worker": victim, "gs_before": gs})
-      except ProcessLookupError:
-        pass
-      next_kill += args.kill_every
+  # The clock of the next kill starts when the (re)started job trains again: a fixed schedule
+  # leaves no training between kills on a machine where a restart takes most of --kill-every
+  kills, pick, armed = [], random.Random(args.seed), None
+  try:
+    while launcher.poll() is None:
+      time.sleep(0.5)
+      now = time.time()
+      if now - start > args.deadline:
+        break
+      if armed is None and fresh[0] is not None and any(
+          s["steps"] > 0 for s in samples[fresh[0]:]):
+        armed = now
+      done = samples and samples[-1]["gs"] >= args.target_steps   # closing: no kill
+      if armed is not None and now >= armed + args.kill_every and pids and not done:
+        victim = pick.choice(sorted(pids))
+        gs = samples[-1]["gs"] if samples else 0
+        try:
+          os.kill(pids.pop(victim), signal.SIGKILL)
+          kills.append({"t": round(now - start), "worker": victim, "gs_before": gs})
+          fresh[0], armed = None, None
+        except ProcessLookupError:
+          pass
+  finally:
+    if launcher.poll() is None:      # past the deadline, or the driver itself failed
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
   reader.join(10)
   seconds = time.time() - start
   text = "".join(l for _, l in lines)
@@ -249,12 +265,25 @@ def drive_restarts(args, scratch):
   resumed = [int(g) for g in re.findall(r"restart \d+ resumed at global_step (\d+)", text)]
   final = samples[-1]["gs"] if samples else 0
   problems = []
-  if launcher.returncode != 0:
+  if seconds > args.deadline:
+    problems.append("global_step %d of %d not reached in --deadline %d s; stopped the job" % (
+        samples[-1]["gs"] if samples else 0, args.target_steps, args.deadline))
+  elif launcher.returncode != 0:
     problems.append("epl-launch exited with %s:\n%s" % (launcher.returncode, text[-3000:]))
   if final != args.target_steps:
     problems.append("reached global_step %d of %d" % (final, args.target_steps))
   if len(restarts) != len(kills):
-    problems.append("%d kill(s) but %d restart(s)" % (len(kills), len(restarts)))
+    problems.append("%d kill(s) but %d restart(s); kills %s; the launcher's last lines:\n%s" % (
+        len(kills), len(restarts), kills,
+        "".join(l for _, l in lines if not l.startswith("[0] {"))[-4000:]))
+  if kills and armed is None and final == args.target_steps and len(resumed) == len(kills) - 1:
+    # the last kill hit a worker closing at the target (between two samples): its restart
+    # restored the final step and ran none, so it resumed no training and reports none
+    kills[-1]["at_the_end"] = True
+  elif len(resumed) != len(kills):
+    problems.append("%d kill(s) but %d 'resumed at' report(s); the launcher's last lines:\n%s" % (
+        len(kills), len(resumed),
+        "".join(l for _, l in lines if not l.startswith("[0] {"))[-4000:]))
   for k, gs in zip(kills, resumed):
     k["resumed_at"] = gs
   return {"restart2x1": {"seconds": round(seconds), "target_steps": args.target_steps,
@@ -394,7 +423,11 @@ def main():
   p.add_argument("--target-steps", type=int, default=20000,
                  help="restart2x1: the global_step the job must reach")
   p.add_argument("--kill-every", type=float, default=120,
-                 help="restart2x1: SIGKILL a random worker this often (seconds)")
+                 help="restart2x1: SIGKILL a random worker this long (seconds) after the "
+                      "job trains again")
+  p.add_argument("--deadline", type=float, default=3 * 3600,
+                 help="restart2x1: stop the job and fail if --target-steps is not reached "
+                      "within this many seconds")
   p.add_argument("--seed", type=int, default=0, help="restart2x1: which worker is killed")
   p.add_argument("--role", default="driver", choices=["driver", "worker"])
   args = p.parse_args()
