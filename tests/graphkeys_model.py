@@ -88,17 +88,39 @@ def initial_values(seed=1):
       return {v.op.name: sess.run(v) for v in tf.global_variables()}
 
 
-def fetch_under_epl(config, stages, initial, x, y):
+VOTE_KINDS = ("GLOBAL_SUM_OBJECTS", "GLOBAL_MEAN_OBJECTS", "GLOBAL_CONCAT_OBJECTS",
+              "LOCAL_SUM_OBJECTS")
+
+
+def fetch_under_epl(config, stages, initial, x, y, vote=1.0):
   """Builds the model under epl, loads ``initial``, runs one training step on the fed rows,
-  and returns {kind: value}."""
+  and returns {kind: value}; then, in a run with no train op (copy 0 only), fetches a fed
+  ``vote`` ([vote], outside every replicate scope, as a stop vote is) collected under each of
+  VOTE_KINDS, returned as {"vote_" + kind: value}."""
   g = tf.Graph()
   with g.as_default():
     epl.init(config)
     tx, ty, train, fetched = build(stages)
+    ballot = tf.placeholder(tf.float32, [1], name="ballot")
+    votes = {}
+    for kind in VOTE_KINDS:
+      votes["vote_" + kind] = tf.identity(ballot, name="vote_" + kind.lower())
+      epl.add_to_collection(votes["vote_" + kind], getattr(epl.GraphKeys, kind))
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
       for v in tf.global_variables():
         if v.op.name in initial:
           v.load(initial[v.op.name], sess)
       values = sess.run([train, fetched], {tx: x, ty: y})[1]
+      values.update(sess.run(votes, {ballot: [vote]}))
   return values
+
+
+def expected_vote(kind, mine, every):
+  """What the copy-0 run returns for a vote of ``kind``: this client's ``mine`` for LOCAL_*,
+  merged over ``every`` client's vote for GLOBAL_*."""
+  if kind.startswith("LOCAL"):
+    return np.array([mine])
+  if "CONCAT" in kind:
+    return np.array(every)
+  return np.array([np.sum(every) if "SUM" in kind else np.mean(every)])

@@ -2,7 +2,8 @@
 and concat -- fetched in a training step on 1 worker x 2 devices, 2 workers x 1 device and
 2 workers x 2 devices, in data parallelism and in a 2-stage pipeline with 2 micro-batches,
 against the numbers the local run gives for the same pieces (docs/user_guide.md, "What a
-fetch returns"). The fed batch makes the pieces known: copies x micro-batches, in order."""
+fetch returns"). The fed batch makes the pieces known: copies x micro-batches, in order.
+Then a vote fed to each client, fetched in a run with no train op (copy 0 only)."""
 import json
 import os
 import subprocess
@@ -36,6 +37,8 @@ def test_every_kind_on_one_worker_with_two_devices(stages):
                              stages, initial, x, y)
   local = m.local_values(initial, x, y, 2)
   _check(values, local, local)
+  for kind in m.VOTE_KINDS:                  # one client: its own vote
+    np.testing.assert_allclose(values["vote_" + kind], [1.0], err_msg=kind)
 
 
 @pytest.mark.parametrize("devices,stages", [(1, 1), (1, 2), (2, 1), (2, 2)])
@@ -65,3 +68,8 @@ def test_every_kind_on_two_workers(tmp_path, devices, stages):
     values = dict(np.load(tmp_path / ("worker_%d.npz" % w)))
     mine = slice(w * per_client, (w + 1) * per_client)
     _check(values, (local[0][mine], local[1][mine]), local)
+    # a run with no train op (copy 0 only; a stop vote): GLOBAL_* still job-wide, over every
+    # client's copy 0 -- it returned this client's own value, and a vote to stop split the job
+    for kind in m.VOTE_KINDS:
+      np.testing.assert_allclose(values["vote_" + kind], m.expected_vote(
+          kind, w + 1.0, [c + 1.0 for c in range(clients)]), err_msg=kind)

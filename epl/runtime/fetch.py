@@ -9,8 +9,9 @@
 |                                                      | concatenated in batch order                |
 | anything else (global_step, a weight, a histogram)   | copy 0's value (the user's own op)         |
 
-In a run where only copy 0 runs (evaluation, prediction; see epl.runtime.feeds) every fetch is
-the user's own tensor. The mapper also tells the runtime when a fetch writes a mirrored variable
+In a run where only copy 0 runs (evaluation, prediction, a stop vote; see epl.runtime.feeds)
+every fetch is the user's own tensor, except a ``GLOBAL_*`` one with several clients: merged over
+every client's copy 0. The mapper also tells the runtime when a fetch writes a mirrored variable
 outside the step (initializer, ``Saver.restore``, a user assign), so that copy 0's new values
 are copied to the other copies right after.
 """
@@ -93,6 +94,8 @@ class FetchMapper:
       return fetch, self._writes_mirrored(element)
     if isinstance(element, tf.Tensor) and all_copies:
       return self._merged(element, fetch), False
+    if isinstance(element, tf.Tensor):
+      return self._job_wide_copy0(element, fetch), False
     return fetch, False
 
   def _graph_element(self, fetch):
@@ -150,6 +153,22 @@ class FetchMapper:
                                             group=self._client_hosts())[0]
       count = count * plan.total_copies // max(1, self.parallel.num_copies)
     return merged / tf.cast(count, merged.dtype) if kind == "mean" else merged
+
+  def _job_wide_copy0(self, t, fetch):
+    """A ``GLOBAL_*`` tensor in a run of copy 0 only (no train op: evaluation, a stop vote):
+    merged over every client's copy 0 -- job-wide still means job-wide (every client must
+    fetch it in the same runs, as in training)."""
+    kind, job_wide = self._kind_of.get(t, (None, False))
+    if not job_wide or len(self.parallel.plan.clients) < 2:
+      return fetch
+    host = self.parallel.worker.host
+    with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
+        tf.control_dependencies(None), tf.device(host), tf.name_scope("epl_merged_copy0"):
+      if kind == "concat":
+        return self._collectives.all_gather([t], [host], group=self._client_hosts())[0]
+      merged = self._collectives.all_reduce([t], [host], "sum", group=self._client_hosts())[0]
+      clients = len(self.parallel.plan.clients)
+      return merged / tf.cast(clients, merged.dtype) if kind == "mean" else merged
 
   def _split_taskgraph(self, t):
     plan = self.parallel.plan

@@ -1,4 +1,5 @@
-"""One worker of tests/test_graphkeys.py: fetches every GraphKeys kind in one training step.
+"""One worker of tests/test_graphkeys.py: fetches every GraphKeys kind in one training step,
+then votes (worker index + 1) in a run with no train op.
 
 usage: graphkeys_worker.py OUT_DIR STAGES MICRO
 Reads OUT_DIR/job.npz (initial weights, the job's rows); feeds this worker's share (the rows
@@ -25,7 +26,7 @@ def main():
   config = epl.Config({"pipeline.num_micro_batch": micro})
   index = epl.cluster.Cluster.from_environment(1, os.environ["TF_CONFIG"], 0).worker_index
   share = slice(index * len(x) // clients, (index + 1) * len(x) // clients)
-  values = m.fetch_under_epl(config, stages, job, x[share], y[share])
+  values = m.fetch_under_epl(config, stages, job, x[share], y[share], vote=index + 1.0)
   np.savez(os.path.join(out, "worker_%d.npz" % index), **values)
 
 
