@@ -37,6 +37,7 @@ script prints a table per worker (``--json``: one JSON object) and exits non-zer
 fails. tests/test_soak.py runs it briefly in CI; docs/benchmarks.md records the long runs.
 """
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -63,10 +64,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- the worker: a user's training script plus a sampler ---------------------------------
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
 def _proc_sample():
+  """(threads, RSS MB, glibc's heap in use MB) of this process: RSS growing with the heap in
+  use flat is the allocator keeping freed memory; both growing, live allocations."""
   with open("/proc/self/status") as f:
     rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-  return len(os.listdir("/proc/self/task")), rss_kb / 1024.0
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    heap = (info.uordblks + info.hblkhd) / 2.0 ** 20
+  except (OSError, AttributeError):          # not glibc, or older than 2.33
+    heap = 0.0
+  return len(os.listdir("/proc/self/task")), rss_kb / 1024.0, heap
 
 
 class _Rejections(logging.Handler):
@@ -95,11 +111,11 @@ class _Sampler:
     threading.Thread(target=self._loop, daemon=True).start()
 
   def sample(self, **extra):
-    threads, rss = _proc_sample()
+    threads, rss, heap = _proc_sample()
     with self.lock:
       s = dict(t=round(time.time() - self.start, 1), steps=self.steps, gs=self.gs,
                evals=self.evals, rejected=self.rejections.count, threads=threads,
-               rss_mb=round(rss, 1), **extra)
+               rss_mb=round(rss, 1), heap_mb=round(heap, 1), **extra)
       self.samples.append(s)
     print(json.dumps(dict(s, sample=True)), flush=True)
 
@@ -345,7 +361,7 @@ def judge(samples):
   return problems
 
 
-def _collect(procs, seconds):
+def _collect(procs, seconds, log_dir=None):
   report = {}
   for name, proc in procs:
     try:
@@ -353,6 +369,11 @@ def _collect(procs, seconds):
     except subprocess.TimeoutExpired:
       proc.kill()
       out, err = proc.communicate()
+    if log_dir:
+      os.makedirs(log_dir, exist_ok=True)
+      for kind, text in (("out", out), ("err", err)):
+        with open(os.path.join(log_dir, "%s.%s" % (name.replace("/", "."), kind)), "w") as f:
+          f.write(text)
     done = [json.loads(l) for l in out.splitlines() if l.startswith('{"done"')]
     samples = done[-1]["samples"] if done else [
         json.loads(l) for l in out.splitlines() if l.startswith("{") and '"sample"' in l]
@@ -374,10 +395,10 @@ def drive(cases, args):
       report.update(drive_restarts(args, scratch))
     if args.alone:
       for case in cases:
-        report.update(_collect(_start(case, args, scratch), args.seconds))
+        report.update(_collect(_start(case, args, scratch), args.seconds, args.log_dir))
     elif cases:
       procs = [p for case in cases for p in _start(case, args, scratch)]
-      report.update(_collect(procs, args.seconds))
+      report.update(_collect(procs, args.seconds, args.log_dir))
   if args.json:
     print(json.dumps(report))
   else:
@@ -394,14 +415,15 @@ def drive(cases, args):
         continue
       print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
           r["problems"])))
-      print("    %7s %9s %9s %8s %6s %8s %8s %9s" % (
-          "t (s)", "steps", "gl.step", "steps/s", "evals", "rejected", "threads", "RSS (MB)"))
+      print("    %7s %9s %9s %8s %6s %8s %8s %9s %10s" % (
+          "t (s)", "steps", "gl.step", "steps/s", "evals", "rejected", "threads", "RSS (MB)",
+          "heap (MB)"))
       prev = None
       for s in r["samples"]:
         rate = (s["steps"] - prev["steps"]) / max(1e-9, s["t"] - prev["t"]) if prev else 0.0
-        print("    %7.0f %9d %9d %8.0f %6d %8d %8d %9.1f" % (
+        print("    %7.0f %9d %9d %8.0f %6d %8d %8d %9.1f %10.1f" % (
             s["t"], s["steps"], s["gs"], rate, s["evals"], s["rejected"], s["threads"],
-            s["rss_mb"]))
+            s["rss_mb"], s.get("heap_mb", 0.0)))
         prev = s
     if cases:
       total = sum(r["samples"][-1]["steps"] for n, r in report.items()
@@ -420,6 +442,8 @@ def main():
   p.add_argument("--eval-every", type=int, default=500)
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--json", action="store_true")
+  p.add_argument("--log-dir", default=None,
+                 help="keep every worker's stdout and stderr in this directory")
   p.add_argument("--target-steps", type=int, default=20000,
                  help="restart2x1: the global_step the job must reach")
   p.add_argument("--kill-every", type=float, default=120,

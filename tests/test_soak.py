@@ -29,9 +29,11 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
   assert sorted(report) == sorted([
       "dp2x1/worker0", "dp2x1/worker1", "dp2x2/worker0", "dp2x2/worker1", "pipe2x1/worker0",
       "pipe2x1/worker1", "zero2x1/worker0", "zero2x1/worker1", "local1x2/worker0"])
+  failed = ["%s:\n%s\nlast samples: %s" % (name, "\n".join(r["problems"]), r["samples"][-3:])
+            for name, r in report.items() if r["problems"]]
+  if failed:                # in full, every worker (pytest shortens a long assertion message)
+    pytest.fail("\n\n".join(failed), pytrace=False)
   for name, r in report.items():
-    if r["problems"]:       # in full (pytest shortens a long assertion message)
-      pytest.fail("%s:\n%s" % (name, "\n".join(r["problems"])), pytrace=False)
     samples = r["samples"]
     assert samples[-1]["t"] >= SECONDS, (name, samples[-1])
     assert samples[-1]["rejected"] == 0, (name, samples[-1])
