@@ -27,10 +27,12 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _MallInfo2(ctypes.Structure):
@@ -60,7 +62,7 @@ def worker(args):
   tf.disable_v2_behavior()
   # the one epl piece: TF's own RunGraph request ids repeat (birthday bound) and TF's rejection
   # of the repeat ends a run at full speed within minutes (docs/architecture.md)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.insert(0, ROOT)
   from epl._tf_compat import native
   native.unique_request_ids()
   hosts = args.hosts.split(",")
@@ -95,20 +97,12 @@ def worker(args):
           break
       try:
         sess.run(step, options=options)
-      except tf.errors.OpError:     # the peer reached its own last sample first and left
+      except tf.errors.OpError as e:   # the peer reached its own last sample first and left
+        print("worker %d stopped at %.1f s: %s" % (args.index, now, str(e).splitlines()[0]),
+              file=sys.stderr, flush=True)
         break
       runs += 1
   print(json.dumps({"worker": args.index, "mode": args.mode, "samples": samples}), flush=True)
-
-
-def _free_ports(n):
-  socks = [socket.socket() for _ in range(n)]
-  for s in socks:
-    s.bind(("localhost", 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
 
 
 def growth(samples, key):
@@ -121,6 +115,8 @@ def growth(samples, key):
 
 
 def drive(args):
+  sys.path.insert(0, ROOT)
+  from epl.launch.spec import free_ports
   print("allocator: %s; MALLOC_ARENA_MAX=%s; --timeout-ms %d; %d float32 a step" % (
       os.environ.get("LD_PRELOAD") or "glibc", os.environ.get("MALLOC_ARENA_MAX", "(default)"),
       args.timeout_ms, args.elements))
@@ -128,7 +124,7 @@ def drive(args):
       "mode", "worker", "runs", "runs/s", "RSS MB", "RSS MB/min", "RSS B/run", "heap MB/min",
       "heap B/run"))
   for mode in args.modes.split(","):
-    hosts = ",".join("localhost:%d" % p for p in _free_ports(2))
+    hosts = ",".join("localhost:%d" % p for p in free_ports(2))
     procs = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--role", "worker", "--index", str(i),
          "--hosts", hosts, "--mode", mode, "--seconds", str(args.seconds), "--interval",

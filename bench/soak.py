@@ -37,7 +37,6 @@ script prints a table per worker (``--json``: one JSON object) and exits non-zer
 fails. tests/test_soak.py runs it briefly in CI; docs/benchmarks.md records the long runs.
 """
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -64,25 +63,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- the worker: a user's training script plus a sampler ---------------------------------
-class _MallInfo2(ctypes.Structure):
-  _fields_ = [(name, ctypes.c_size_t) for name in (
-      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-      "fordblks", "keepcost")]
-
-
 def _proc_sample():
   """(threads, RSS MB, glibc's heap in use MB) of this process: RSS growing with the heap in
   use flat is the allocator keeping freed memory; both growing, live allocations."""
-  with open("/proc/self/status") as f:
-    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    heap = (info.uordblks + info.hblkhd) / 2.0 ** 20
-  except (OSError, AttributeError):          # not glibc, or older than 2.33
-    heap = 0.0
-  return len(os.listdir("/proc/self/task")), rss_kb / 1024.0, heap
+  from collective_memory import memory     # bench/, beside this script
+  rss, heap, _ = memory()
+  return len(os.listdir("/proc/self/task")), rss, heap
 
 
 class _Rejections(logging.Handler):

@@ -16,6 +16,7 @@ outside the step (initializer, ``Saver.restore``, a user assign), so that copy 0
 are copied to the other copies right after.
 """
 import collections
+import contextlib
 
 import tensorflow.compat.v1 as tf
 
@@ -132,9 +133,7 @@ class FetchMapper:
       pieces, weights = pieces[::m], None
       if any(p is None for p in pieces):
         return fetch
-    with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
-        tf.control_dependencies(None), tf.device(self.parallel.worker.host), \
-        tf.name_scope("epl_merged"):
+    with self._merging_scope():
       return self._merge(kind, job_wide, pieces, weights)
 
   def _merge(self, kind, job_wide, pieces, weights):
@@ -161,14 +160,16 @@ class FetchMapper:
     kind, job_wide = self._kind_of.get(t, (None, False))
     if not job_wide or len(self.parallel.plan.clients) < 2:
       return fetch
-    host = self.parallel.worker.host
+    with self._merging_scope():
+      return self._merge(kind, True, [t], None)
+
+  @contextlib.contextmanager
+  def _merging_scope(self):
+    """Where merged tensors are built: outside any control context, on this worker's host."""
     with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
-        tf.control_dependencies(None), tf.device(host), tf.name_scope("epl_merged_copy0"):
-      if kind == "concat":
-        return self._collectives.all_gather([t], [host], group=self._client_hosts())[0]
-      merged = self._collectives.all_reduce([t], [host], "sum", group=self._client_hosts())[0]
-      clients = len(self.parallel.plan.clients)
-      return merged / tf.cast(clients, merged.dtype) if kind == "mean" else merged
+        tf.control_dependencies(None), tf.device(self.parallel.worker.host), \
+        tf.name_scope("epl_merged"):
+      yield
 
   def _split_taskgraph(self, t):
     plan = self.parallel.plan
