@@ -64,11 +64,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- the worker: a user's training script plus a sampler ---------------------------------
 def _proc_sample():
-  """(threads, RSS MB, glibc's heap in use MB) of this process: RSS growing with the heap in
-  use flat is the allocator keeping freed memory; both growing, live allocations."""
+  """(threads, RSS MB, heap in use MB, rendezvous TF keeps) of this process: RSS growing with
+  the heap in use flat is the allocator keeping freed memory; both growing, live allocations
+  (the last: epl._tf_compat.native.pinned_rendezvous, 0 with epl's hook)."""
   from collective_memory import memory     # bench/, beside this script
+  from epl._tf_compat import native
   rss, heap, _ = memory()
-  return len(os.listdir("/proc/self/task")), rss, heap
+  return len(os.listdir("/proc/self/task")), rss, heap, native.pinned_rendezvous()
 
 
 class _Rejections(logging.Handler):
@@ -97,11 +99,11 @@ class _Sampler:
     threading.Thread(target=self._loop, daemon=True).start()
 
   def sample(self, **extra):
-    threads, rss, heap = _proc_sample()
+    threads, rss, heap, pinned = _proc_sample()
     with self.lock:
       s = dict(t=round(time.time() - self.start, 1), steps=self.steps, gs=self.gs,
                evals=self.evals, rejected=self.rejections.count, threads=threads,
-               rss_mb=round(rss, 1), heap_mb=round(heap, 1), **extra)
+               rss_mb=round(rss, 1), heap_mb=round(heap, 1), pinned=pinned, **extra)
       self.samples.append(s)
     print(json.dumps(dict(s, sample=True)), flush=True)
 
@@ -341,6 +343,9 @@ def judge(samples):
   if end["rss_mb"] > middle["rss_mb"] * (1 + RSS_GROWTH):
     problems.append("RSS grew from %.1f MB (t=%.0f s) to %.1f MB (t=%.0f s), more than %d%%" % (
         middle["rss_mb"], middle["t"], end["rss_mb"], end["t"], RSS_GROWTH * 100))
+  if end.get("pinned"):
+    problems.append("TensorFlow keeps %d aborted rendezvous (a leak epl's hook, "
+                    "communication.release_aborted_rendezvous, removes)" % end["pinned"])
   gs = [s["gs"] for s in samples]
   if any(b < a for a, b in zip(gs, gs[1:])):
     problems.append("global_step went back: %s" % gs)
@@ -401,15 +406,15 @@ def drive(cases, args):
         continue
       print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
           r["problems"])))
-      print("    %7s %9s %9s %8s %6s %8s %8s %9s %10s" % (
+      print("    %7s %9s %9s %8s %6s %8s %8s %9s %10s %7s" % (
           "t (s)", "steps", "gl.step", "steps/s", "evals", "rejected", "threads", "RSS (MB)",
-          "heap (MB)"))
+          "heap (MB)", "pinned"))
       prev = None
       for s in r["samples"]:
         rate = (s["steps"] - prev["steps"]) / max(1e-9, s["t"] - prev["t"]) if prev else 0.0
-        print("    %7.0f %9d %9d %8.0f %6d %8d %8d %9.1f %10.1f" % (
+        print("    %7.0f %9d %9d %8.0f %6d %8d %8d %9.1f %10.1f %7s" % (
             s["t"], s["steps"], s["gs"], rate, s["evals"], s["rejected"], s["threads"],
-            s["rss_mb"], s.get("heap_mb", 0.0)))
+            s["rss_mb"], s.get("heap_mb", 0.0), s.get("pinned")))
         prev = s
     if cases:
       total = sum(r["samples"][-1]["steps"] for n, r in report.items()

@@ -124,6 +124,9 @@ KEYS = {k.name: k for k in [
        help="multi-worker jobs draw TF's RPC request ids from one process-wide 64-bit stream, "
             "so that TF never rejects a step as a duplicate request (False: TF's own ids; a "
             "rejected step is then run again)"),
+    _k("communication.release_aborted_rendezvous", "bool", True,
+       help="multi-worker jobs free the per-step rendezvous TF aborts at a step's cleanup "
+            "(TF keeps each one forever: memory grows with the steps; False: TF's own)"),
     _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
     _k("io.unbalanced_io_slicing", "bool", False, requires="io.slicing"),
     _k("io.drop_last_files", "bool", False, requires="io.slicing"),

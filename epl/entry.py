@@ -66,6 +66,19 @@ def init(config=None):
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
     from epl.runtime import server
+    # TF's hooks go in before the first cross-worker step (the startup below runs steps)
+    if config.communication.unique_request_ids:
+      why = compat.unique_request_ids()
+      if why:
+        log.warning("could not make TensorFlow's request ids unique (%s): a step TF rejects as "
+                    "a duplicate request (about once per 43,000 steps per worker) is run again",
+                    why)
+    if config.communication.release_aborted_rendezvous:
+      why = compat.release_aborted_rendezvous()
+      if why:
+        log.warning("could not stop TensorFlow keeping every rendezvous a step's cleanup "
+                    "aborts (%s): the workers' memory grows by a few hundred bytes in some "
+                    "steps", why)
     limit = config.cluster.startup_timeout
     with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
@@ -77,12 +90,6 @@ def init(config=None):
       server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
                      instance=server.next_barrier())
       server.publish(state.server, cluster, job_id, server.RUNNING)
-    if config.communication.unique_request_ids:
-      why = compat.unique_request_ids()
-      if why:
-        log.warning("could not make TensorFlow's request ids unique (%s): a step TF rejects as "
-                    "a duplicate request (about once per 43,000 steps per worker) is run again",
-                    why)
   activate(state)
   if config.launch.parent_pid:
     watchdog.watch_launcher(config.launch.parent_pid)

@@ -80,6 +80,8 @@ ALONE = {
     "communication.clip_after_allreduce": (False, {}, None),
     "communication.gradients_reduce_method": ("sum", {}, None),
     "communication.collective_timeout": (60, {}, None),
+    "communication.release_aborted_rendezvous": (
+        False, {}, "tests/test_rendezvous_leak.py::test_tf_pins_aborted_rendezvous_and_epl_stops_it"),
     "communication.unique_request_ids": (
         False, {}, "tests/test_rejections.py::test_a_rejected_step_runs_again_exactly_whichever_worker_and_however_often"),
     "io.slicing": (True, {}, "tests/test_multiworker.py::test_io_slicing_each_worker_reads_only_its_files"),

@@ -40,11 +40,14 @@ Two kinds of things live here:
                                              one-shot iterator captures it in a function
     ======================================  ==================================================
 
-And one hook below Python, ``unique_request_ids()`` (a multi-worker ``epl.init``; removed by
-``uninstall()``): libtensorflow_cc's calls of ``tsl::random::ThreadLocalNew64`` -- where TF
-draws its RPC request ids -- go to ``tsl::random::New64`` (epl._elf rewrites the import slot),
-so that no step is rejected as a duplicate request (docs/architecture.md says why and shows
-the measurements).
+And two hooks below Python (a multi-worker ``epl.init``; removed by ``uninstall()``; epl._elf
+rewrites libtensorflow_cc's import slot, see epl._tf_compat.native):
+``unique_request_ids()``: its calls of ``tsl::random::ThreadLocalNew64`` -- where TF draws its
+RPC request ids -- go to ``tsl::random::New64``, so that no step is rejected as a duplicate
+request (docs/architecture.md says why and shows the measurements);
+``release_aborted_rendezvous()``: its calls of ``LocalRendezvous::StartAbort`` go to
+``LocalRendezvous::DoAbort``, so that TF does not keep every rendezvous a step's cleanup
+aborts (a memory leak without bound; docs/benchmarks.md, "Long runs").
 """
 import contextlib
 import functools
@@ -68,7 +71,9 @@ from tensorflow.python.training import checkpoint_utils as _checkpoint_utils
 from tensorflow.python.training import saver as _saver
 
 from epl._tf_compat import native
-from epl._tf_compat.native import request_ids_unique, unique_request_ids  # noqa: F401
+from epl._tf_compat.native import (  # noqa: F401
+    aborted_rendezvous_released, pinned_rendezvous, release_aborted_rendezvous,
+    request_ids_unique, unique_request_ids)
 from epl.io_slicing import file_list
 from epl.sharding import rules as _split_rules
 from epl.sharding import sharded as _sharded

@@ -1,6 +1,7 @@
-"""The compat module's hook below Python: TensorFlow's RPC request ids (see epl._tf_compat).
+"""The compat module's hooks below Python (see epl._tf_compat): TensorFlow's RPC request ids,
+and the rendezvous TF keeps after a step's cleanup.
 
-TF draws every RPC request id (request_id.cc: ``GetUniqueRequestId``) from
+Request ids. TF draws every RPC request id (request_id.cc: ``GetUniqueRequestId``) from
 ``tsl::random::ThreadLocalNew64``, a thread-local mt19937_64 seeded with 32 random bits, and the
 master runs each step on a new thread (master.cc, ``SchedClosure``): a step's RunGraph id is
 the first output of a fresh 32-bit seed, and a worker rejects a step whose id repeats one of
@@ -9,42 +10,94 @@ its last 100,000 ("The same RunGraph (Worker) request was received twice"), abou
 ``unique_request_ids()`` points libtensorflow_cc's import of ``ThreadLocalNew64`` at
 ``tsl::random::New64`` -- one process-wide mt19937_64 stream whose 64-bit outputs do not repeat
 within a window -- so no step is rejected. The same function type and generator family; only
-libtensorflow_cc's calls (request ids, a few XLA names) change; ``restore()`` undoes it.
+libtensorflow_cc's calls (request ids, a few XLA names) change.
+
+Aborted rendezvous. A worker's step owns a rendezvous (``BaseRemoteRendezvous``, found by step
+id in a cache of weak pointers). After the step the master sends ``CleanupGraph``, which
+removes the step id from the cache and aborts the rendezvous if it is still alive -- and
+``LocalRendezvous::StartAbort`` keeps one reference to every rendezvous it aborts in a static
+vector, forever (``aborted_rendezs_``: "so that subsequent RendezvousMgr::Find() will return
+the aborted rendezvous"; the cleanup has just removed it from the cache, so no Find ever
+will). Whether it is still alive is a race: ``GraphMgr::ExecuteAsync`` answers the RunGraph
+before it drops its own reference, and the master's thread, woken by that answer, can run the
+cleanup first. Measured: a fraction of steps, ~60-150 bytes a training run on average, both
+workers, without bound (docs/benchmarks.md, "Long runs"). ``release_aborted_rendezvous()``
+points libtensorflow_cc's import of ``LocalRendezvous::StartAbort`` at
+``LocalRendezvous::DoAbort`` -- the same abort without the extra reference -- so an aborted
+rendezvous lives as long as someone holds it (reference counted, as everything else that
+uses it already is). ``pinned_rendezvous()`` counts the references TF keeps.
+
+``restore()`` undoes both hooks.
 """
-import functools
+import ctypes
 import os
 
-_request_ids = None      # epl._elf.ImportSlots while libtensorflow_cc's ids come from New64
+_hooks = {}          # name -> epl._elf.ImportSlots while that hook is in place
 _TF_CC = "libtensorflow_cc.so.2"
 _TF_FRAMEWORK = "libtensorflow_framework.so.2"
 _THREAD_LOCAL_NEW64 = "_ZN3tsl6random16ThreadLocalNew64Ev"
 _NEW64 = "_ZN3tsl6random5New64Ev"
+_STATUS = "RKN4absl12lts_202508146StatusE"          # const absl::Status& (TF 2.21's absl)
+_START_ABORT = "_ZN10tensorflow15LocalRendezvous10StartAbortE" + _STATUS
+_DO_ABORT = "_ZN10tensorflow15LocalRendezvous7DoAbortE" + _STATUS
+_ABORTED = "_ZN10tensorflow15LocalRendezvous16aborted_rendezs_E"
 
 
-def unique_request_ids():
-  """Makes TF's RPC request ids one process-wide stream (once per process); returns None, or
-  the reason it could not (the job then relies on rerunning a rejected step)."""
-  global _request_ids
-  if _request_ids is None:
-    import tensorflow as _tf
+def _lib(name):
+  import tensorflow as _tf
+  return os.path.join(os.path.dirname(_tf.__file__), name)
+
+
+def _redirect(name, symbol, replacement):
+  """libtensorflow_cc's calls of ``symbol`` go to ``replacement`` (libtensorflow_framework's),
+  once per process; returns None, or the reason it could not."""
+  if name not in _hooks:
     from epl import _elf
-    lib = functools.partial(os.path.join, os.path.dirname(_tf.__file__))
     try:
-      _request_ids = _elf.redirect_import(lib(_TF_CC), _THREAD_LOCAL_NEW64, lib(_TF_FRAMEWORK),
-                                          _NEW64)
+      _hooks[name] = _elf.redirect_import(_lib(_TF_CC), symbol, _lib(_TF_FRAMEWORK),
+                                          replacement)
     except (_elf.ElfError, OSError) as e:
       return str(e)
   return None
 
 
+def unique_request_ids():
+  """Makes TF's RPC request ids one process-wide stream; returns None, or the reason it could
+  not (the job then relies on rerunning a rejected step)."""
+  return _redirect("request_ids", _THREAD_LOCAL_NEW64, _NEW64)
+
+
 def request_ids_unique():
   """True while TF's request ids come from the process-wide stream."""
-  return _request_ids is not None
+  return "request_ids" in _hooks
+
+
+def release_aborted_rendezvous():
+  """A rendezvous aborted by a step's cleanup is freed when its last holder lets go, instead
+  of being kept forever; returns None, or the reason it could not."""
+  return _redirect("rendezvous", _START_ABORT, _DO_ABORT)
+
+
+def aborted_rendezvous_released():
+  """True while the hook above is in place."""
+  return "rendezvous" in _hooks
+
+
+def pinned_rendezvous():
+  """How many aborted rendezvous TF keeps a reference to (``aborted_rendezs_``'s size, read
+  without its lock: a diagnostic), or None where the symbol is not found."""
+  try:
+    lib = ctypes.CDLL(_lib(_TF_FRAMEWORK), mode=getattr(os, "RTLD_NOLOAD", 4))
+    vector = ctypes.c_void_p.in_dll(lib, _ABORTED).value    # a static reference: a pointer
+  except (OSError, ValueError):
+    return None
+  if not vector:
+    return 0
+  begin, end = (ctypes.c_void_p.from_address(vector + 8 * i).value or 0 for i in (0, 1))
+  return (end - begin) // ctypes.sizeof(ctypes.c_void_p)
 
 
 def restore():
-  """Gives libtensorflow_cc its own ThreadLocalNew64 back."""
-  global _request_ids
-  if _request_ids is not None:
-    _request_ids.restore()
-    _request_ids = None
+  """Gives libtensorflow_cc its own functions back."""
+  for name in list(_hooks):
+    _hooks.pop(name).restore()
