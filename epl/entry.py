@@ -77,7 +77,7 @@ def init(config=None):
       why = compat.release_aborted_rendezvous()
       if why:
         log.warning("could not stop TensorFlow keeping every rendezvous a step's cleanup "
-                    "aborts (%s): the workers' memory grows by a few hundred bytes in some "
+                    "aborts (%s): the workers' memory grows by ~1 KB in a few percent of "
                     "steps", why)
     limit = config.cluster.startup_timeout
     with watchdog.deadline(limit + 15, "worker %d: the job did not start within "

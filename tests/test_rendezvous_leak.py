@@ -2,7 +2,9 @@
 (LocalRendezvous::StartAbort's static ``aborted_rendezs_``); the cleanup races with the step's
 own release, so in a multi-worker job a fraction of steps leaks a rendezvous for good
 (epl._tf_compat.native says where). Caused for real in a 2-worker data-parallel job: without
-epl's hook TF pins rendezvous as the job trains; once the hook is in place it pins no more.
+epl's hook TF pins a rendezvous for every failing step (deterministic) and for some training
+steps (the race: counted, not asserted -- it depends on the machine's scheduling); once the
+hook is in place it pins none for either.
 """
 import json
 import os
@@ -14,7 +16,8 @@ from epl.launch.spec import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "rendezvous_worker.py")
-STEPS = 1500      # ~6 % of steps leak here (docs/benchmarks.md): ~90 expected, never 0
+STEPS = 1500      # ~6 % of steps leaked here (docs/benchmarks.md)
+FAILS = 5         # tests/workers/rendezvous_worker.py
 
 
 def test_tf_pins_aborted_rendezvous_and_epl_stops_it():
@@ -39,6 +42,7 @@ def test_tf_pins_aborted_rendezvous_and_epl_stops_it():
   results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
   for r in results:
     assert r["released_at_init"] is False and r["hook"] is None, r
-    assert r["pinned_with"] == r["pinned_without"], r      # not one more once the hook is in
-  # TF's own behaviour leaks on some worker (a race: it is not every step, nor every worker)
-  assert sum(r["pinned_without"] for r in results) > 0, results
+    assert r["failed_without"] >= FAILS, r     # TF as is: every failed step's rendezvous kept
+    assert r["failed_with"] == 0 and r["trained_with"] == 0, r    # the hook: none kept
+  print("rendezvous TF pinned in %d training steps without the hook: %s" % (
+      STEPS, [r["pinned_without"] for r in results]))

@@ -16,16 +16,22 @@ Aborted rendezvous. A worker's step owns a rendezvous (``BaseRemoteRendezvous``,
 id in a cache of weak pointers). After the step the master sends ``CleanupGraph``, which
 removes the step id from the cache and aborts the rendezvous if it is still alive -- and
 ``LocalRendezvous::StartAbort`` keeps one reference to every rendezvous it aborts in a static
-vector, forever (``aborted_rendezs_``: "so that subsequent RendezvousMgr::Find() will return
-the aborted rendezvous"; the cleanup has just removed it from the cache, so no Find ever
-will). Whether it is still alive is a race: ``GraphMgr::ExecuteAsync`` answers the RunGraph
-before it drops its own reference, and the master's thread, woken by that answer, can run the
-cleanup first. Measured: a fraction of steps, ~60-150 bytes a training run on average, both
+vector, forever (``aborted_rendezs_``, "so that subsequent RendezvousMgr::Find() will return
+the aborted rendezvous"; after a cleanup the step id is out of the cache, so none will).
+Whether it is still alive is a race: ``GraphMgr::ExecuteAsync`` answers the RunGraph before
+it drops its own reference, and the master's thread, woken by that answer, can run the cleanup
+first. Measured: ~1-1.5 KB in a few percent of steps (60-150 bytes a run on average), both
 workers, without bound (docs/benchmarks.md, "Long runs"). ``release_aborted_rendezvous()``
-points libtensorflow_cc's import of ``LocalRendezvous::StartAbort`` at
-``LocalRendezvous::DoAbort`` -- the same abort without the extra reference -- so an aborted
-rendezvous lives as long as someone holds it (reference counted, as everything else that
-uses it already is). ``pinned_rendezvous()`` counts the references TF keeps.
+points libtensorflow_cc's import of ``LocalRendezvous::StartAbort`` (its one caller there:
+``BaseRemoteRendezvous::StartAbort``, the distributed runtime's) at ``LocalRendezvous::DoAbort``
+-- the same abort without the extra reference -- so an aborted rendezvous lives as long as a
+counted reference holds it. That also covers aborts of a failed or cancelled step, whose
+rendezvous is still in the cache: a peer's RecvTensor that arrives after the step let go of
+it (and before its cleanup) now finds a fresh rendezvous that never answers, where TF would
+have answered with the step's error; the peer's step then ends by the master's cancellation
+or its deadline (epl sets one), as it would for a request arriving after the cleanup in TF as
+is. DirectSession's and eager's rendezvous (libtensorflow_framework's own calls) keep TF's
+behaviour. ``pinned_rendezvous()`` counts the references TF keeps.
 
 ``restore()`` undoes both hooks.
 """
@@ -33,6 +39,7 @@ import ctypes
 import os
 
 _hooks = {}          # name -> epl._elf.ImportSlots while that hook is in place
+_aborted = None      # the pointer behind TF's aborted_rendezs_ (pinned_rendezvous)
 _TF_CC = "libtensorflow_cc.so.2"
 _TF_FRAMEWORK = "libtensorflow_framework.so.2"
 _THREAD_LOCAL_NEW64 = "_ZN3tsl6random16ThreadLocalNew64Ev"
@@ -86,15 +93,24 @@ def aborted_rendezvous_released():
 def pinned_rendezvous():
   """How many aborted rendezvous TF keeps a reference to (``aborted_rendezs_``'s size, read
   without its lock: a diagnostic), or None where the symbol is not found."""
-  try:
-    lib = ctypes.CDLL(_lib(_TF_FRAMEWORK), mode=getattr(os, "RTLD_NOLOAD", 4))
-    vector = ctypes.c_void_p.in_dll(lib, _ABORTED).value    # a static reference: a pointer
-  except (OSError, ValueError):
-    return None
+  global _aborted
+  if _aborted is None:
+    try:
+      lib = ctypes.CDLL(_lib(_TF_FRAMEWORK), mode=getattr(os, "RTLD_NOLOAD", 4))
+      _aborted = ctypes.c_void_p.in_dll(lib, _ABORTED)   # a static reference: a pointer
+    except (OSError, ValueError):
+      return None
+  vector = _aborted.value
   if not vector:
     return 0
-  begin, end = (ctypes.c_void_p.from_address(vector + 8 * i).value or 0 for i in (0, 1))
-  return (end - begin) // ctypes.sizeof(ctypes.c_void_p)
+
+  def word(i):                    # libstdc++'s std::vector: begin, end, end of storage
+    return ctypes.c_void_p.from_address(vector + 8 * i).value or 0
+  for _ in range(100):            # a push_back may reallocate while we read: read until stable
+    end, begin = word(1), word(0)
+    if word(1) == end:
+      return max(0, end - begin) // ctypes.sizeof(ctypes.c_void_p)
+  return None
 
 
 def restore():
