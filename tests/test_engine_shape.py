@@ -208,3 +208,23 @@ def test_second_init_on_an_annotated_graph_is_refused():
                        r"and the TaskGraph\(s\) annotated since \('stage_0' at "
                        r"test_engine_shape.py:\d+\) would be dropped"):
       epl.init(epl.Config())
+
+
+def test_tf_hooks_below_python_go_in_and_come_out():
+  """The two import-slot hooks of a multi-worker epl.init (epl._tf_compat.native) change only
+  libtensorflow_cc's slots, and restore() (compat.uninstall) gives back exactly what was there."""
+  from epl._tf_compat import native
+  assert not compat.request_ids_unique() and not compat.aborted_rendezvous_released()
+  try:
+    assert compat.unique_request_ids() is None and compat.release_aborted_rendezvous() is None
+    assert compat.request_ids_unique() and compat.aborted_rendezvous_released()
+    hooks = dict(native._hooks)  # pylint: disable=protected-access
+    for slots in hooks.values():
+      assert slots.values() and all(v != slots._original[s]  # pylint: disable=protected-access
+                                    for s, v in zip(slots.slots, slots.values()))
+    assert isinstance(compat.pinned_rendezvous(), int)   # TF's vector is found and read
+  finally:
+    native.restore()
+  assert not compat.request_ids_unique() and not compat.aborted_rendezvous_released()
+  for slots in hooks.values():
+    assert slots.values() == [slots._original[s] for s in slots.slots]  # pylint: disable=protected-access
