@@ -344,11 +344,11 @@ def judge(samples):
   if end["rss_mb"] > middle["rss_mb"] * (1 + RSS_GROWTH):
     problems.append("RSS grew from %.1f MB (t=%.0f s) to %.1f MB (t=%.0f s), more than %d%%" % (
         middle["rss_mb"], middle["t"], end["rss_mb"], end["t"], RSS_GROWTH * 100))
-  if (end.get("pinned") or 0) > (middle.get("pinned") or 0):
+  pinned = (end.get("pinned") or 0) - (middle.get("pinned") or 0)
+  if pinned > 0:
     problems.append("TensorFlow pinned %d more aborted rendezvous from t=%.0f s to t=%.0f s "
                     "(a leak; epl's hook communication.release_aborted_rendezvous removes the "
-                    "distributed runtime's)" % (end["pinned"] - (middle.get("pinned") or 0),
-                                                middle["t"], end["t"]))
+                    "distributed runtime's)" % (pinned, middle["t"], end["t"]))
   gs = [s["gs"] for s in samples]
   if any(b < a for a, b in zip(gs, gs[1:])):
     problems.append("global_step went back: %s" % gs)

@@ -67,18 +67,10 @@ def init(config=None):
   if cluster.distributed:
     from epl.runtime import server
     # TF's hooks go in before the first cross-worker step (the startup below runs steps)
-    if config.communication.unique_request_ids:
-      why = compat.unique_request_ids()
+    for on, install, without in _NATIVE_HOOKS:
+      why = install() if on(config) else None
       if why:
-        log.warning("could not make TensorFlow's request ids unique (%s): a step TF rejects as "
-                    "a duplicate request (about once per 43,000 steps per worker) is run again",
-                    why)
-    if config.communication.release_aborted_rendezvous:
-      why = compat.release_aborted_rendezvous()
-      if why:
-        log.warning("could not stop TensorFlow keeping every rendezvous a step's cleanup "
-                    "aborts (%s): the workers' memory grows by ~1 KB in a few percent of "
-                    "steps", why)
+        log.warning(without, why)
     limit = config.cluster.startup_timeout
     with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
@@ -95,6 +87,17 @@ def init(config=None):
     watchdog.watch_launcher(config.launch.parent_pid)
   log.debug("epl.init: %s, %r", cluster, config)
   return Env.get()
+
+
+# (is it on, put it in -> None or why not, the warning when it could not) per hook below Python
+_NATIVE_HOOKS = (
+    (lambda c: c.communication.unique_request_ids, compat.unique_request_ids,
+     "could not make TensorFlow's request ids unique (%s): a step TF rejects as a duplicate "
+     "request (about once per 43,000 steps per worker) is run again"),
+    (lambda c: c.communication.release_aborted_rendezvous, compat.release_aborted_rendezvous,
+     "could not stop TensorFlow keeping every rendezvous a step's cleanup aborts (%s): the "
+     "workers' memory grows by ~1 KB in a few percent of steps"),
+)
 
 
 def activate(state):
