@@ -2,7 +2,7 @@
 
   python bench/soak.py [--alone] [--seconds 600] [--cases dp2x1,dp2x2,pipe2x1,zero2x1,local1x2]
                        [--interval 10] [--checkpoint-secs 30] [--eval-every 500] [--json]
-  python bench/soak.py --cases restart2x1 --target-steps 80000 [--kill-every 120]
+  python bench/soak.py --cases restart2x1 --target-steps 80000 [--kill-every 120 | --kill-at-steps N,M]
 
 Cases (each worker is a user's training script started from TF_CONFIG, as a scheduler or
 epl-launch starts it):
@@ -15,7 +15,8 @@ epl-launch starts it):
             6 --restart_window`` 5 x ``--kill-every`` (600 s); ``--kill-every`` seconds (120)
             after the job trains again a random worker is killed with SIGKILL; the job must
             reach ``--target-steps`` (global_step) before ``--deadline``, with one restart per
-            kill (not in the default --cases: run it by name)
+            kill (not in the default --cases: run it by name). ``--kill-at-steps 1000,2000``
+            kills once global_step passes each step instead: the same kills at any speed
 What every script does while it trains (tf.layers MLP, dataset iterator,
 MonitoredTrainingSession): a checkpoint every ``--checkpoint-secs`` by the chief, summaries
 every 100 steps, an evaluation pass (20 batches of another iterator) every ``--eval-every``
@@ -239,6 +240,7 @@ def drive_restarts(args, scratch):
   # The clock of the next kill starts when the (re)started job trains again: a fixed schedule
   # leaves no training between kills on a machine where a restart takes most of --kill-every
   kills, pick, armed = [], random.Random(args.seed), None
+  kill_at = sorted(int(x) for x in args.kill_at_steps.split(",") if x) if args.kill_at_steps else []
   try:
     while launcher.poll() is None:
       time.sleep(0.5)
@@ -248,8 +250,13 @@ def drive_restarts(args, scratch):
       if armed is None and fresh[0] is not None and any(
           s["steps"] > 0 for s in samples[fresh[0]:]):
         armed = now
-      done = samples and samples[-1]["gs"] >= args.target_steps   # closing: no kill
-      if armed is not None and now >= armed + args.kill_every and pids and not done:
+      gs_now = samples[-1]["gs"] if samples else 0
+      done = gs_now >= args.target_steps   # closing: no kill
+      if kill_at:     # by global_step: as many kills however fast the machine trains
+        due = armed is not None and len(kills) < len(kill_at) and gs_now >= kill_at[len(kills)]
+      else:
+        due = armed is not None and now >= armed + args.kill_every
+      if due and pids and not done:
         victim = pick.choice(sorted(pids))
         gs = samples[-1]["gs"] if samples else 0
         try:
@@ -443,6 +450,9 @@ def main():
   p.add_argument("--kill-every", type=float, default=120,
                  help="restart2x1: SIGKILL a random worker this long (seconds) after the "
                       "job trains again")
+  p.add_argument("--kill-at-steps", default="",
+                 help="restart2x1: instead of --kill-every, SIGKILL a random worker once the "
+                      "job's global_step passes each of these (comma-separated) steps")
   p.add_argument("--deadline", type=float, default=3 * 3600,
                  help="restart2x1: stop the job and fail if --target-steps is not reached "
                       "within this many seconds")
