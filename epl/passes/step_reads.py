@@ -25,8 +25,9 @@ Why: published BERT writes ``global_step.assign(global_step + 1)`` in a ``tf.gro
 its update, and nothing orders its learning-rate schedule's reads of ``global_step`` against
 that assign. A ref variable's read (``global_step/read``, an Identity) aliases the variable's
 buffer, so a consumer sees whatever the buffer holds when it runs: in the local run the
-schedule runs after the assign (the learning rate of step 0 is that of step 1, in every run,
-measured). Under epl each copy and micro-batch has its own read on its own device, where TF
+schedule mostly runs after the assign (the learning rate of step 0 is that of step 1): 37 of
+40 fresh local runs here, the other 3 read before it in a later step -- the local run is
+itself racy; epl picks the usual order in every run. Under epl each copy and micro-batch has its own read on its own device, where TF
 copies the value whenever the transfer happens to run: some copies used one learning rate,
 some the other, differently in every run.
 """

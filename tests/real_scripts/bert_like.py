@@ -214,11 +214,17 @@ class AdamWeightDecayOptimizer(tf.train.Optimizer):
 
 def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps, published=False):
   global_step = tf.train.get_or_create_global_step()
+  schedule_step = global_step
+  if published == "reference":
+    # The local reference run of the published optimizer: its learning rate takes the value
+    # the assign below writes, the order TF mostly runs it in (37 of 40 fresh local runs here;
+    # the other 3 read the old value in a later step) and epl always (epl/passes/step_reads.py)
+    schedule_step = next_global_step = global_step + 1
   learning_rate = tf.constant(value=init_lr, shape=[], dtype=tf.float32)
-  learning_rate = tf.train.polynomial_decay(learning_rate, global_step, num_train_steps,
+  learning_rate = tf.train.polynomial_decay(learning_rate, schedule_step, num_train_steps,
                                             end_learning_rate=0.0, power=1.0, cycle=False)
   if num_warmup_steps:
-    global_steps_int = tf.cast(global_step, tf.int32)
+    global_steps_int = tf.cast(schedule_step, tf.int32)
     warmup_steps_int = tf.constant(num_warmup_steps, dtype=tf.int32)
     warmup_percent_done = tf.cast(global_steps_int, tf.float32) / tf.cast(warmup_steps_int,
                                                                           tf.float32)
@@ -232,7 +238,9 @@ def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps, published
   grads = tf.gradients(loss, tvars)
   (grads, _) = tf.clip_by_global_norm(grads, clip_norm=1.0)
   train_op = optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
-  if published:        # google-research/bert's optimization.py as published
+  if published == "reference":
+    new_global_step = next_global_step
+  elif published:        # google-research/bert's optimization.py as published
     new_global_step = global_step + 1
   else:
     # Published BERT builds `global_step + 1` unordered against the learning-rate read above;
@@ -259,7 +267,9 @@ def make_data(rows, seed=0):
 def build(batch_size, stage=lambda i: contextlib.nullcontext(), published=False):
   """run_classifier's graph for ``batch_size`` rows per step; returns its tensors.
   ``published``: google-research/bert's optimizer exactly as published (its global_step
-  update is not ordered after the update that reads it)."""
+  update is not ordered after the update that reads it); ``"reference"``: the same with its
+  one race settled, for the local run epl's runs are compared with (the published one gives
+  one of several trajectories, another one in 3 of 40 fresh runs)."""
   config = BertConfig()
   input_ids = tf.placeholder(tf.int32, [batch_size, SEQ], name="input_ids")
   input_mask = tf.placeholder(tf.int32, [batch_size, SEQ], name="input_mask")
