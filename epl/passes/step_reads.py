@@ -27,9 +27,9 @@ that assign. A ref variable's read (``global_step/read``, an Identity) aliases t
 buffer, so a consumer sees whatever the buffer holds when it runs: in the local run the
 schedule mostly runs after the assign (the learning rate of step 0 is that of step 1): 37 of
 40 fresh local runs here, the other 3 read before it in a later step -- the local run is
-itself racy; epl picks the usual order in every run. Under epl each copy and micro-batch has its own read on its own device, where TF
-copies the value whenever the transfer happens to run: some copies used one learning rate,
-some the other, differently in every run.
+itself racy; epl picks the usual order in every run. Under epl each copy and micro-batch has
+its own read on its own device, where TF copies the value whenever the transfer happens to
+run: some copies used one learning rate, some the other, differently in every run.
 """
 import dataclasses
 from typing import Mapping
