@@ -259,10 +259,9 @@ def drive_restarts(args, scratch):
         due = armed is not None and now >= armed + args.kill_every
       if due and pids and not done:
         victim = pick.choice(sorted(pids))
-        gs = samples[-1]["gs"] if samples else 0
         try:
           os.kill(pids.pop(victim), signal.SIGKILL)
-          kills.append({"t": round(now - start), "worker": victim, "gs_before": gs})
+          kills.append({"t": round(now - start), "worker": victim, "gs_before": gs_now})
           fresh[0], armed = None, None
         except ProcessLookupError:
           pass
