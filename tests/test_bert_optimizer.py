@@ -6,7 +6,6 @@ against the learning rate's reads of ``global_step``. Under data parallelism on 
 2-stage pipeline with 2 micro-batches and 2 workers x 1 device it must train the local model
 (every variable, the Adam slots included, to 1e-5), in every run: each is repeated 3 times.
 Before epl/passes/step_reads.py some copies used another learning rate than others."""
-import functools
 import json
 import os
 import subprocess
@@ -23,20 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH, REPEATS = 5, 4, 3
 
 
-class Published:
-  make_data = staticmethod(bert_like.make_data)
-  build = staticmethod(functools.partial(bert_like.build, published=True))
-
-
-class Reference:
-  """The local run the published script is compared with: published BERT's local run is
-  itself racy (tests/real_scripts/bert_like.py, ``published="reference"``)."""
-  make_data = staticmethod(bert_like.make_data)
-  build = staticmethod(functools.partial(bert_like.build, published="reference"))
-
-
 def _local(rows):
-  return run(Reference, rows, bert_like.make_data(rows * STEPS), steps_of(rows, STEPS))
+  return run(bert_like.Reference, rows, bert_like.make_data(rows * STEPS), steps_of(rows, STEPS))
 
 
 @pytest.mark.parametrize("mode", ["dp2", "pipeline2_m2"])
@@ -46,8 +33,8 @@ def test_published_bert_optimizer_trains_the_local_model_in_every_run(mode):
   local = _local(rows)
   assert any(name.endswith("/adam_m") for name in local.variables)
   for _ in range(REPEATS):
-    dist = run(Published, BATCH, bert_like.make_data(rows * STEPS), steps_of(rows, STEPS),
-               mode=m, initial=local.initial)
+    dist = run(bert_like.Published, BATCH, bert_like.make_data(rows * STEPS),
+               steps_of(rows, STEPS), mode=m, initial=local.initial)
     assert_same_training(local, dist)
 
 

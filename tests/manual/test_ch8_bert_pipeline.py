@@ -8,7 +8,6 @@
   8.2.1  epl-launch --num_workers 1 --gpu_per_worker 2 <script> -> one pipeline on 2 devices
   (8.1 downloads and 8.3's SQuAD evaluation need the network and a GPU week: not tests here)
 """
-import functools
 import os
 import subprocess
 import sys
@@ -42,24 +41,12 @@ class _Nothing:
     return False
 
 
-class Published:
-  make_data = staticmethod(bert_like.make_data)
-  build = staticmethod(functools.partial(bert_like.build, published=True))
-
-
-class Reference:
-  """The local run the published script is compared with: published BERT's local run is
-  itself racy (tests/real_scripts/bert_like.py, ``published="reference"``)."""
-  make_data = staticmethod(bert_like.make_data)
-  build = staticmethod(functools.partial(bert_like.build, published="reference"))
-
-
 def test_8_2_1_two_default_strategies_are_a_pipeline_that_trains_the_local_model():
   batch, steps, micro = 2, 3, 4
   rows = micro * batch
   data = bert_like.make_data(rows * steps)
-  local = run(Reference, rows, data, steps_of(rows, steps))
-  dist = run(Published, batch, data, steps_of(rows, steps), mode=Mode(2, micro, 2),
+  local = run(bert_like.Reference, rows, data, steps_of(rows, steps))
+  dist = run(bert_like.Published, batch, data, steps_of(rows, steps), mode=Mode(2, micro, 2),
              initial=local.initial, stage=DefaultStrategyStages())
   assert_same_training(local, dist)
   plan = dist.parallel.plan

@@ -8,6 +8,7 @@ The only epl lines a user adds: ``epl.init`` and one ``epl.replicate`` scope per
 ``stage`` argument below; a no-op context locally).
 """
 import contextlib
+import functools
 import math
 import re
 
@@ -283,3 +284,17 @@ def build(batch_size, stage=lambda i: contextlib.nullcontext(), published=False)
                       label_ids=label_ids)
   return dict(placeholders=placeholders, loss=loss, train_op=train_op,
               per_example_loss=per_example_loss, probabilities=probabilities)
+
+
+class Published:
+  """The script with google-research/bert's optimizer exactly as published, for the harness
+  (``run(Published, ...)``)."""
+  make_data = staticmethod(make_data)
+  build = staticmethod(functools.partial(build, published=True))
+
+
+class Reference:
+  """The local run the published script is compared with: published BERT's local run is
+  itself racy (``build``'s ``published="reference"``)."""
+  make_data = staticmethod(make_data)
+  build = staticmethod(functools.partial(build, published="reference"))

@@ -5,7 +5,6 @@ Reads OUT_DIR/initial.npz, trains google-research BERT's classifier with its opt
 published on this worker's rows of every step (worker i of W: rows [i*B, (i+1)*B) of each
 step's W*B), writes OUT_DIR/worker_<i>.npz with the losses and every variable.
 """
-import functools
 import os
 import sys
 
@@ -21,11 +20,6 @@ from tests.real_scripts import bert_like  # noqa: E402
 from tests.real_scripts.harness import Mode, run  # noqa: E402
 
 
-class Published:
-  make_data = staticmethod(bert_like.make_data)
-  build = staticmethod(functools.partial(bert_like.build, published=True))
-
-
 def main():
   out, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
   initial = dict(np.load(os.path.join(out, "initial.npz")))
@@ -34,7 +28,7 @@ def main():
   data = bert_like.make_data(workers * batch * steps)
   rows = [slice(s * workers * batch + me * batch, s * workers * batch + (me + 1) * batch)
           for s in range(steps)]
-  result = run(Published, batch, data, rows, mode=Mode(1, 1, 1), initial=initial)
+  result = run(bert_like.Published, batch, data, rows, mode=Mode(1, 1, 1), initial=initial)
   np.savez(os.path.join(out, "worker_%d.npz" % me), __losses__=np.array(result.losses),
            **result.variables)
 
