@@ -19,7 +19,7 @@ from tests.real_scripts import bert_like
 from tests.real_scripts.harness import MODES, assert_same_training, run, steps_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, BATCH, REPEATS = 5, 4, 3
+STEPS, BATCH, REPEATS = 5, 4, 2
 
 
 def _local(rows):
