@@ -4,8 +4,9 @@ polynomial decay with warm-up from ``global_step``, ``clip_by_global_norm(grads,
 ``tf.group(train_op, [global_step.assign(global_step + 1)])`` -- an assign nothing orders
 against the learning rate's reads of ``global_step``. Under data parallelism on 2 devices, a
 2-stage pipeline with 2 micro-batches and 2 workers x 1 device it must train the local model
-(every variable, the Adam slots included, to 1e-5), in every run: each is repeated 3 times.
-Before epl/passes/step_reads.py some copies used another learning rate than others."""
+(``bert_like.Reference``: the local run with its own race settled; every variable, the Adam
+slots included, to 1e-5), in every run: each is repeated ``REPEATS`` times. Before
+epl/passes/step_reads.py some copies used another learning rate than others."""
 import json
 import os
 import subprocess

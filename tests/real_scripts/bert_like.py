@@ -220,7 +220,7 @@ def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps, published
     # The local reference run of the published optimizer: its learning rate takes the value
     # the assign below writes, the order TF mostly runs it in (37 of 40 fresh local runs here;
     # the other 3 read the old value in a later step) and epl always (epl/passes/step_reads.py)
-    schedule_step = next_global_step = global_step + 1
+    schedule_step = global_step + 1
   learning_rate = tf.constant(value=init_lr, shape=[], dtype=tf.float32)
   learning_rate = tf.train.polynomial_decay(learning_rate, schedule_step, num_train_steps,
                                             end_learning_rate=0.0, power=1.0, cycle=False)
@@ -240,7 +240,7 @@ def create_optimizer(loss, init_lr, num_train_steps, num_warmup_steps, published
   (grads, _) = tf.clip_by_global_norm(grads, clip_norm=1.0)
   train_op = optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
   if published == "reference":
-    new_global_step = next_global_step
+    new_global_step = schedule_step
   elif published:        # google-research/bert's optimization.py as published
     new_global_step = global_step + 1
   else:
