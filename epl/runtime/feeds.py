@@ -7,15 +7,23 @@ Two modes (decided per run from its fetches and feeds):
   takes. A batch fed to a placeholder (rank >= 1, or no shape) is this worker's whole step: it
   is cut into copies x micro-batches pieces in order. A placeholder with a fixed first dimension B takes
   exactly B rows per piece; with an unknown one the rows may split unevenly (each piece's
-  gradient is then weighted by its rows, so the update equals the local run's). A scalar --
-  fed to a placeholder of shape [] or to one without a shape (``tf.placeholder(tf.bool)`` for
-  ``is_training``, a learning rate, ``keep_prob``) -- is not a batch: every copy and
-  micro-batch gets it whole.
+  gradient is then weighted by its rows, so the update equals the local run's).
+  What is not a batch goes whole to every copy and micro-batch, as the local run sees it:
+  a scalar -- fed to a placeholder of shape [] or to one without a shape
+  (``tf.placeholder(tf.bool)`` for ``is_training``, a learning rate, ``keep_prob``) -- and a
+  value that is not batch-major (``BatchRule``): one fed to a fixed first dimension B with
+  exactly B rows (per-class weights ``[C]``: it fits the placeholder as it is, while a batch
+  there has pieces x B rows), or one whose rows are not the run's batch rows (a ``[None]`` or
+  shapeless placeholder fed a class-weight vector beside a batch of another size). Giving a
+  batch whole to every copy would still train the local model (every copy's gradient is the
+  same), only without the speed-up; epl warns once when a fixed placeholder is fed B rows.
 * ``COPY0``: only the user's own ops (model copy 0) run, on everything fed -- evaluation and
   prediction take any batch size, including one row, exactly as the local script. A split
   TaskGraph reads the rows of every copy of its replica: the replica's other copies are fed
   no rows, so it sees exactly the fed batch.
 """
+import logging
+
 import numpy as np
 import tensorflow.compat.v1 as tf
 
@@ -23,6 +31,7 @@ from epl.errors import PlanError
 from epl.op_tables import mutates
 
 ALL, COPY0 = "all", "copy0"
+log = logging.getLogger("epl")
 
 
 class FeedSplitter:
@@ -40,6 +49,7 @@ class FeedSplitter:
     update = {op for op, phase in _phases(parallel).items() if phase == "apply"}
     self._trains_at = set(analysis.singletons) | {op for op in update if mutates(op)}
     self._trains = {}
+    self._warned = set()          # fixed placeholders warned about (fed B rows: not split)
     worker = parallel.worker
     # copies that run with copy 0 in an evaluation run: its replica's others, when a split
     # TaskGraph gathers their rows
@@ -96,11 +106,11 @@ class FeedSplitter:
       return self._with_partners(feed_dict)
     out = dict(feed_dict)
     weights = None
-    for tensor, value in list(self._fed(feed_dict)):
-      if tensor.op not in self._cloned:
-        continue
+    fed = [(t, v) for t, v in self._fed(feed_dict) if t.op in self._cloned]
+    rule = BatchRule(self._batch, self.pieces, fed, self._warned)
+    for tensor, value in fed:
       targets = self.clones.every(tensor)
-      if tensor in self._batch and np.ndim(value):
+      if rule.is_batch(tensor, value):
         pieces, sizes = self._pieces(tensor, value)
         for target, piece in zip(targets, pieces):
           if target is not None:
@@ -117,14 +127,14 @@ class FeedSplitter:
 
   def _with_partners(self, feed_dict):
     out = dict(feed_dict)
-    for tensor, value in list(self._fed(feed_dict)):
-      if tensor.op not in self._cloned:
-        continue
+    fed = [(t, v) for t, v in self._fed(feed_dict) if t.op in self._cloned]
+    rule = BatchRule(self._batch, 1, fed, self._warned)
+    for tensor, value in fed:
       for c in self._partners:
         target = self.clones.tensor(c, tensor)
         if target is None:
           continue
-        if tensor in self._batch and np.ndim(value):
+        if rule.is_batch(tensor, value):
           if tensor.shape.rank and tensor.shape.dims[0].value is not None:
             raise PlanError(
                 "an evaluation run of a split model feeds %r, whose first dimension is fixed: "
@@ -156,6 +166,76 @@ class FeedSplitter:
               name, rows, where, self.pieces, self.pieces))
     pieces = np.array_split(value, self.pieces)
     return pieces, [len(p) for p in pieces]
+
+
+class BatchRule:
+  """Which values fed to one run are batches (split into the pieces) and which go whole.
+
+  The run's batch rows R: ``pieces x B`` when a placeholder with a fixed first dimension B is
+  fed that many rows; else the rows of the highest-rank value fed to a placeholder with a
+  known rank (the data: images, token ids -- ties go to the count most such values share,
+  then the larger); else the same among placeholders without a shape. Then a value fed to a
+  batch placeholder (rank >= 1 or no shape) with at least one dimension is
+
+  * with a fixed first dimension B: a batch when fed ``pieces x B`` rows. Exactly B rows
+    (several pieces) fit the placeholder as it is, so the value goes whole -- per-class
+    weights ``[C]``, a table, or a fixed-size batch fed one copy's rows (each copy then
+    trains on the same rows: the local model, warned about once) -- unless R is B and came
+    from a ``[None, ...]`` placeholder: then it is one copy's rows of that batch, and
+    ``_pieces`` says what to feed. Any other count is ``_pieces``' error.
+  * with an unknown first dimension (``[None, ...]`` or no shape): a batch when its rows are
+    R, and R is split (it did not come from a fixed placeholder fed whole); else whole -- a
+    class-weight vector beside a batch of another size.
+  """
+
+  def __init__(self, batch_placeholders, pieces, fed, warned):
+    self.batch, self.pieces, self.warned = batch_placeholders, pieces, warned
+    candidates = [(t, r, np.ndim(v)) for t, r, v in ((t, _rows(v), v) for t, v in fed
+                                                     if t in batch_placeholders)
+                  if r is not None]
+    split_fixed = [r for t, r, _ in candidates
+                   if _fixed(t) is not None and pieces > 1 and r == _fixed(t) * pieces]
+    known = [c for c in candidates if c[0].shape.rank is not None]
+    data = _data(known) or _data([c for c in candidates if c[0].shape.rank is None])
+    self.rows = split_fixed[0] if split_fixed else data[1] if data else None
+    # R came from a [None, ...] placeholder (its one-copy's-rows fixed peers are batches), or
+    # from a fixed one fed whole (nothing is split)
+    self.unknown_source = not split_fixed and data is not None and _fixed(data[0]) is None
+    self.whole = not split_fixed and data is not None and _fixed(data[0]) is not None
+
+  def is_batch(self, tensor, value):
+    rows = _rows(value)
+    if tensor not in self.batch or not np.ndim(value) or rows is None:
+      return False
+    fixed = _fixed(tensor)
+    if fixed is None:
+      return rows == self.rows and not self.whole
+    if self.pieces > 1 and rows == fixed and not (self.unknown_source and rows == self.rows):
+      if self.warned is not None and tensor.op.name not in self.warned:
+        self.warned.add(tensor.op.name)
+        log.warning(
+            "%r is fed %d rows, its declared first dimension: epl gives the value whole to "
+            "every model copy and micro-batch (per-class weights, a table). If it is a batch, "
+            "every copy now trains on the same rows: feed %d rows so that each copy gets its "
+            "own %d", tensor.op.name, rows, rows * self.pieces, rows)
+      return False
+    return True
+
+
+def _data(candidates):
+  """The (placeholder, rows) of the highest-rank value among ``candidates`` (ties: the rows
+  most of them share, then the larger count), or None."""
+  if not candidates:
+    return None
+  top = max(rank for _, _, rank in candidates)
+  tied = [(t, r) for t, r, rank in candidates if rank == top]
+  counts = [r for _, r in tied]
+  rows = max(set(counts), key=lambda r: (counts.count(r), r))
+  return next((t, r) for t, r in tied if r == rows)
+
+
+def _fixed(tensor):
+  return tensor.shape.dims[0].value if tensor.shape.rank else None
 
 
 def _rows(value):

@@ -16,6 +16,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, VARIABLE_OPS, mutates
+from epl.runtime import feeds
 
 log = logging.getLogger("epl")
 
@@ -130,8 +131,10 @@ class Progress:
 
   def fed_rows(self, feed_dict):
     """Rows fed to batch placeholders in this run (None when none are fed)."""
-    rows = [np.shape(v)[0] for k, v in (feed_dict or {}).items()
-            if getattr(k, "op", None) is not None and k in self._batch and np.ndim(v)]
+    fed = [(k, v) for k, v in (feed_dict or {}).items() if getattr(k, "op", None) is not None]
+    pieces = self._parallel.num_copies * self._parallel.plan.num_micro_batch
+    rule = feeds.BatchRule(self._batch, pieces, fed, warned=None)
+    rows = [np.shape(v)[0] for k, v in fed if rule.is_batch(k, v)]
     return max(rows) if rows else None
 
   def rows_tensor(self):
