@@ -20,7 +20,7 @@ from tests.real_scripts import bert_like
 from tests.real_scripts.harness import MODES, assert_same_training, run, steps_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, BATCH, REPEATS = 5, 4, 2
+STEPS, BATCH, REPEATS = 4, 4, 3
 
 
 def _local(rows):
