@@ -183,3 +183,55 @@ def test_which_failures_are_restarted():
   assert whole.allow()
   now[0] = 1e9
   assert not whole.allow()
+
+
+def test_a_restart_on_localhost_starts_every_worker_again_on_fresh_ports(monkeypatch, tmp_path):
+  """The first start fails (a worker killed), the restart gets ports picked anew and the same
+  command; the job's other settings stay."""
+  import json as _json
+  from epl.launch import cli
+  starts = []
+
+  class FakeJob:
+    def __init__(self, specs, debug=False, status_files=None):
+      self.specs = {s.index: s for s in specs}
+      self.failure = None
+      starts.append(specs)
+
+    def start(self):
+      pass
+
+    def watch(self, on_status=None):
+      if len(starts) == 1:
+        self.failure = (1, -9)
+        return 1
+      return 0
+
+    def summary(self):
+      return ""
+
+    def log_text(self, index):
+      return ""
+
+    def ran(self):
+      return True
+
+    def stop(self):
+      pass
+
+  picked = iter([[41001, 41002]])
+  monkeypatch.setattr(cli, "Job", FakeJob)
+  monkeypatch.setattr(cli, "free_ports", lambda n, port_range=None: next(picked))
+  monkeypatch.setattr(cli, "RESTART_PAUSE", 0.0)
+  monkeypatch.setattr(cli, "_gpus_on_host", lambda: 0)
+  script = tmp_path / "train.py"
+  script.write_text("")
+  assert cli.main(["--num_workers", "2", "--max_restarts", "1", "--log_dir", str(tmp_path),
+                   str(script), "--flag"]) == 0
+  assert len(starts) == 2
+  (first, second) = [[_json.loads(s.env["TF_CONFIG"])["cluster"]["worker"] for s in specs]
+                     for specs in starts]
+  assert second[0] == second[1] == ["localhost:41001", "localhost:41002"]
+  assert first[0] != second[0]
+  assert [s.env["EPL_LAUNCH_ATTEMPT"] for s in starts[1]] == ["1", "1"]
+  assert [s.argv for s in starts[0]] == [s.argv for s in starts[1]]

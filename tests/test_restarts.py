@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "workers", "restart_worker.py")
@@ -22,14 +23,20 @@ SCRIPT = os.path.join(ROOT, "tests", "workers", "restart_worker.py")
 class Launch:
   """One epl-launch of restart_worker.py, its console collected line by line."""
 
-  def __init__(self, tmp_path, name, steps, max_restarts=2, env=None):
+  def __init__(self, tmp_path, name, steps, max_restarts=2, env=None, via_environment=False):
+    """``via_environment``: the budget as a scheduler gives it (EPL_LAUNCH_MAX_RESTARTS),
+    no flag."""
     self.out_dir = tmp_path / name
     self.out_dir.mkdir()
     full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                     CUDA_VISIBLE_DEVICES="", **(env or {}))
+    full_env.pop("EPL_LAUNCH_MAX_RESTARTS", None)
+    flag = ["--max_restarts", str(max_restarts)]
+    if via_environment:
+      full_env["EPL_LAUNCH_MAX_RESTARTS"], flag = str(max_restarts), []
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2", "--max_restarts",
-         str(max_restarts), "--log_dir", str(self.out_dir / "logs"), SCRIPT,
+        [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2"] + flag + [
+         "--log_dir", str(self.out_dir / "logs"), SCRIPT,
          str(self.out_dir / "ckpt"), str(self.out_dir), str(steps)],
         env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
@@ -71,14 +78,18 @@ class Launch:
     return dict(np.load(self.out_dir / ("final_%d.npz" % worker)))
 
 
+@pytest.mark.parametrize("victim,via_environment", [(1, False), (0, True)],
+                         ids=["worker 1, --max_restarts", "the chief, EPL_LAUNCH_MAX_RESTARTS"])
 def test_a_worker_killed_mid_training_is_restarted_and_trains_the_uninterrupted_model(
-    tmp_path):
+    tmp_path, victim, via_environment):
+  """Killing the chief also kills the writer of the checkpoints (one may be half written);
+  the budget given through the environment is the scheduler's way (no flag)."""
   steps = 160                                  # ~3 s of steps: the kill lands mid-training
   seed = int(time.time())
   kill_after = random.Random(seed).randint(6, 60)
-  job = Launch(tmp_path, "killed", steps)
+  job = Launch(tmp_path, "killed", steps, via_environment=via_environment)
   try:
-    pid = int(job.wait_for(r"epl-launch: worker 1 started \(pid (\d+)\)").group(1))
+    pid = int(job.wait_for(r"epl-launch: worker %d started \(pid (\d+)\)" % victim).group(1))
     job.wait_for(r"^\[0\] worker 0 step %d$" % kill_after)
     os.kill(pid, signal.SIGKILL)
     assert job.wait() == 0, (seed, job.out[-4000:])
@@ -87,25 +98,29 @@ def test_a_worker_killed_mid_training_is_restarted_and_trains_the_uninterrupted_
       os.killpg(job.proc.pid, signal.SIGKILL)
   out = job.out
   assert len(re.findall(r"epl-launch: restart \d+ of at most 2", out)) == 1, out[-4000:]
-  assert re.search(r"epl-launch: restart 1 of at most 2: worker 1 failed \(killed by SIGKILL\)",
-                   out), out[-4000:]
+  assert re.search(r"epl-launch: restart 1 of at most 2: worker %d failed \(killed by "
+                   r"SIGKILL\)" % victim, out), out[-4000:]
   resumed = int(re.search(r"epl-launch: restart 1 resumed at global_step (\d+)", out).group(1))
   before = out[:out.index("epl-launch: restart 1 of")]
   reached = max(int(n) for n in re.findall(r"worker 0 step (\d+)", before))
-  # the last checkpoint (every 4 steps) before the kill -- worker 0 may have run on a little
-  assert resumed % 4 == 0 and kill_after // 4 * 4 <= resumed <= reached, (
+  # the last checkpoint (every 4 steps) before the kill -- worker 0 may have run on a little;
+  # a chief killed while writing one resumes from the one before, and one killed after a
+  # step's checkpoint but before its print resumes one past the last step it printed
+  last = kill_after // 4 * 4 - (4 if victim == 0 else 0)
+  assert resumed % 4 == 0 and last <= resumed <= reached + (victim == 0), (
       seed, kill_after, reached, resumed)
   assert "all workers finished (after 1 restart(s))" in out
-  assert os.path.exists(job.out_dir / "logs" / "worker_1.restart1.log")
+  assert os.path.exists(job.out_dir / "logs" / ("worker_%d.restart1.log" % victim))
 
   reference = Launch(tmp_path, "uninterrupted", steps, max_restarts=0)
   assert reference.wait() == 0, reference.out[-4000:]
-  restarted, uninterrupted = job.final(), reference.final()
-  assert restarted["global_step"] == uninterrupted["global_step"] == steps
-  assert sorted(restarted) == sorted(uninterrupted)
-  for name, value in uninterrupted.items():
-    np.testing.assert_allclose(restarted[name], value, rtol=1e-6, atol=1e-7,
-                               err_msg="%s (seed %d)" % (name, seed))
+  for worker in (0, 1):
+    restarted, uninterrupted = job.final(worker), reference.final(worker)
+    assert restarted["global_step"] == uninterrupted["global_step"] == steps
+    assert sorted(restarted) == sorted(uninterrupted)
+    for name, value in uninterrupted.items():
+      np.testing.assert_allclose(restarted[name], value, rtol=1e-6, atol=1e-7,
+                                 err_msg="worker %d: %s (seed %d)" % (worker, name, seed))
 
 
 def test_a_worker_that_fails_on_every_start_ends_the_job_after_the_restarts(tmp_path):

@@ -65,4 +65,8 @@ def test_the_restart_case_reaches_its_steps_with_a_restart_per_kill():
   assert r["restarts"] == len(r["kills"]), r
   for k in r["kills"]:          # resumed from a checkpoint at or before the step it died near
     assert k.get("at_the_end") or 0 <= k["resumed_at"] <= k["gs_before"] + 600, k
+  # ... and from a checkpoint, not from scratch: a checkpoint every 4 s puts one past step 0
+  # before the first kill (1000 steps) and more between the kills (1000 steps apart)
+  resumed = [k["resumed_at"] for k in r["kills"] if not k.get("at_the_end")]
+  assert resumed and resumed[0] > 0 and all(b > a for a, b in zip(resumed, resumed[1:])), r
   assert out.returncode == 0
