@@ -172,6 +172,8 @@ def test_which_failures_are_restarted():
   assert "PlanError repeats" in restart_refused(-9, "PlanError", ran=False)
   assert restart_refused(-9, "", ran=False) == ""            # killed: restart
   assert restart_refused(1, "PeerError", ran=True) == ""     # lost a peer mid-training
+  assert restart_refused(1, "PeerError", ran=False) == ""    # ... killed on another host
+  assert "StartupError" in restart_refused(1, "StartupError", ran=False)  # before first step
   assert "before the job's first step (ValueError)" in restart_refused(1, "ValueError",
                                                                         ran=False)
   now = [0.0]
