@@ -13,6 +13,7 @@ import epl
 from epl.errors import PlanError
 
 STEPS = 3
+CLASSES = 5
 
 
 def _graph(config, pipeline):
@@ -104,22 +105,23 @@ def test_scalars_fed_to_every_copy_and_micro_batch_train_the_local_model(pipelin
 
 
 def _weights_graph(config, pipeline, batch=None, label_batch=None, class_weight=True):
-  """Values that are not batch-major beside the batch: per-class weights declared [4], a
-  shapeless placeholder fed a 16-vector, a [None] placeholder fed 4 class weights."""
+  """Values that are not batch-major beside the batch: per-class weights declared [5], a
+  shapeless placeholder fed a 12-vector, a [None] placeholder fed 5 class weights (12 and 5
+  are neither multiples nor divisors of the batch's 8 rows)."""
   g = tf.Graph()
   with g.as_default():
     tf.set_random_seed(3)
     stage = _strategy(config, pipeline)
     x = tf.placeholder(tf.float32, [batch, 8], name="x")
     y = tf.placeholder(tf.int64, [label_batch or batch], name="y")
-    class_scale = tf.placeholder(tf.float32, [4], name="class_scale")
+    class_scale = tf.placeholder(tf.float32, [CLASSES], name="class_scale")
     shift = tf.placeholder(tf.float32, name="shift")                      # no shape
     use_weights, class_weight = class_weight, tf.placeholder(tf.float32, [None],
                                                              name="class_weight")
     with (stage(0) if stage else _null()):
-      h = tf.layers.dense(x, 16, activation=tf.nn.relu) + tf.reshape(shift, [16])
+      h = tf.layers.dense(x, 12, activation=tf.nn.relu) + tf.reshape(shift, [12])
     with (stage(1) if stage else _null()):
-      logits = tf.layers.dense(h, 4) * class_scale
+      logits = tf.layers.dense(h, CLASSES) * class_scale
       loss = tf.losses.sparse_softmax_cross_entropy(
           y, logits, weights=tf.gather(class_weight, y) if use_weights else 1.0)
     step = tf.train.get_or_create_global_step()
@@ -131,9 +133,9 @@ def _weights_graph(config, pipeline, batch=None, label_batch=None, class_weight=
 
 def _train_weights(g, t, initial, data, rng_seed=9):
   rng = np.random.RandomState(rng_seed)
-  extra = {t["class_scale"]: rng.uniform(0.5, 1.5, 4).astype(np.float32),
-           t["shift"]: rng.randn(16).astype(np.float32) * 0.1,
-           t["class_weight"]: rng.uniform(0.5, 2.0, 4).astype(np.float32)}
+  extra = {t["class_scale"]: rng.uniform(0.5, 1.5, CLASSES).astype(np.float32),
+           t["shift"]: rng.randn(12).astype(np.float32) * 0.1,
+           t["class_weight"]: rng.uniform(0.5, 2.0, CLASSES).astype(np.float32)}
   if not t["class_weight"].consumers():
     del extra[t["class_weight"]]
   with g.as_default(), tf.Session() as sess:
@@ -160,12 +162,12 @@ def _assert_same_model(local, run):
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_values_that_are_not_batch_major_go_whole_to_every_copy(pipeline):
-  """On today's tree the [4] placeholder was refused (a batch of 4 rows needs 8), and the [None]
-  and shapeless ones were cut into pieces like the batch."""
+  """Before BatchRule the [5] placeholder was refused (a batch of 5 rows needs 10), and the
+  [None] and shapeless ones were cut into pieces like the batch."""
   config = epl.Config({"cluster.devices_per_worker": 2,
                        "pipeline.num_micro_batch": 2 if pipeline else 1})
   rng = np.random.RandomState(5)
-  data = [(rng.randn(8, 8).astype(np.float32), rng.randint(0, 4, 8).astype(np.int64))
+  data = [(rng.randn(8, 8).astype(np.float32), rng.randint(0, CLASSES, 8).astype(np.int64))
           for _ in range(STEPS)]
   local = _train_weights(*_weights_graph(None, pipeline), None, data)
   run = _train_weights(*_weights_graph(config, pipeline), local[0], data)
@@ -178,7 +180,7 @@ def test_a_fixed_batch_fed_one_copys_rows_goes_whole_and_warns(caplog):
   warning naming the rows that would give each copy its own."""
   config = epl.Config({"cluster.devices_per_worker": 2})
   rng = np.random.RandomState(5)
-  data = [(rng.randn(4, 8).astype(np.float32), rng.randint(0, 4, 4).astype(np.int64))
+  data = [(rng.randn(4, 8).astype(np.float32), rng.randint(0, CLASSES, 4).astype(np.int64))
           for _ in range(STEPS)]
   local = _train_weights(*_weights_graph(None, False, batch=4, class_weight=False), None, data)
   logger = logging.getLogger("epl")
@@ -189,7 +191,7 @@ def test_a_fixed_batch_fed_one_copys_rows_goes_whole_and_warns(caplog):
   finally:
     logger.removeHandler(caplog.handler)
   _assert_same_model(local, run)
-  assert any("'x' is fed 4 rows" in r.getMessage() and "feed 8 rows" in r.getMessage()
+  assert any("'x' is fed 4 rows" in r.getMessage() and "Feed 8 rows" in r.getMessage()
              for r in caplog.records)
 
 
@@ -203,5 +205,56 @@ def test_a_fixed_placeholder_fed_the_batchs_rows_is_a_batch_with_a_clear_error()
     sess.run(t["init"])
     with pytest.raises(PlanError, match="'y'.*feed 8 rows"):
       sess.run(t["train"], {t["x"]: rng.randn(4, 8), t["y"]: np.zeros(4, np.int64),
-                            t["class_scale"]: np.ones(4), t["shift"]: np.zeros(16),
-                            t["class_weight"]: np.ones(4)})
+                            t["class_scale"]: np.ones(CLASSES), t["shift"]: np.zeros(12),
+                            t["class_weight"]: np.ones(CLASSES)})
+
+
+def _tokens_graph(config, pipeline):
+  """Batch-major values of several sizes: tokens flattened to [None, 8] (8 sentences x 3
+  tokens = 24 rows, the highest rank), their targets [None] (24: equal), each sentence's
+  weight [None] (8: a divisor) -- all split, as before BatchRule."""
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(3)
+    stage = _strategy(config, pipeline)
+    tokens = tf.placeholder(tf.float32, [None, 8], name="tokens")
+    targets = tf.placeholder(tf.int64, [None], name="targets")
+    sentence_weight = tf.placeholder(tf.float32, [None], name="sentence_weight")
+    with (stage(0) if stage else _null()):
+      h = tf.layers.dense(tokens, 16, activation=tf.nn.relu)
+    with (stage(1) if stage else _null()):
+      logits = tf.layers.dense(h, CLASSES)
+      per_token = tf.reshape(tf.tile(sentence_weight[:, None], [1, 3]), [-1])
+      loss = tf.losses.sparse_softmax_cross_entropy(targets, logits, weights=per_token)
+    step = tf.train.get_or_create_global_step()
+    train = tf.train.GradientDescentOptimizer(0.2).minimize(loss, global_step=step)
+    init = tf.global_variables_initializer()
+  return g, dict(tokens=tokens, targets=targets, sentence_weight=sentence_weight, loss=loss,
+                 train=train, init=init)
+
+
+def _train_tokens(g, t, initial, data):
+  with g.as_default(), tf.Session() as sess:
+    sess.run(t["init"])
+    variables = {v.op.name: v for v in tf.global_variables()}
+    if initial is None:
+      initial = {n: sess.run(v) for n, v in variables.items()}
+    else:
+      for n, v in variables.items():
+        v.load(initial[n], sess)
+    losses = [sess.run([t["loss"], t["train"]], {t["tokens"]: x, t["targets"]: y,
+                                                  t["sentence_weight"]: w})[0]
+              for x, y, w in data]
+    return initial, losses, {n: sess.run(v) for n, v in variables.items()}
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_batch_major_values_of_several_sizes_are_all_split(pipeline):
+  config = epl.Config({"cluster.devices_per_worker": 2,
+                       "pipeline.num_micro_batch": 2 if pipeline else 1})
+  rng = np.random.RandomState(6)
+  data = [(rng.randn(24, 8).astype(np.float32), rng.randint(0, CLASSES, 24).astype(np.int64),
+           rng.uniform(0.5, 2.0, 8).astype(np.float32)) for _ in range(STEPS)]
+  local = _train_tokens(*_tokens_graph(None, pipeline), None, data)
+  run = _train_tokens(*_tokens_graph(config, pipeline), local[0], data)
+  _assert_same_model(local, run)

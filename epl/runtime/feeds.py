@@ -11,12 +11,10 @@ Two modes (decided per run from its fetches and feeds):
   What is not a batch goes whole to every copy and micro-batch, as the local run sees it:
   a scalar -- fed to a placeholder of shape [] or to one without a shape
   (``tf.placeholder(tf.bool)`` for ``is_training``, a learning rate, ``keep_prob``) -- and a
-  value that is not batch-major (``BatchRule``): one fed to a fixed first dimension B with
-  exactly B rows (per-class weights ``[C]``: it fits the placeholder as it is, while a batch
-  there has pieces x B rows), or one whose rows are not the run's batch rows (a ``[None]`` or
-  shapeless placeholder fed a class-weight vector beside a batch of another size). Giving a
-  batch whole to every copy would still train the local model (every copy's gradient is the
-  same), only without the speed-up; epl warns once when a fixed placeholder is fed B rows.
+  value that cannot be batch-major (``BatchRule``): fed to a fixed first dimension B with
+  exactly B rows (per-class weights ``[C]``, a table: a batch there has pieces x B rows), or
+  fed to ``[None, ...]`` / no shape with rows that are neither a multiple nor a divisor of
+  the run's batch rows.
 * ``COPY0``: only the user's own ops (model copy 0) run, on everything fed -- evaluation and
   prediction take any batch size, including one row, exactly as the local script. A split
   TaskGraph reads the rows of every copy of its replica: the replica's other copies are fed
@@ -88,15 +86,7 @@ class FeedSplitter:
 
   # ---- the feeds ---------------------------------------------------------------------
   def _fed(self, feed_dict):
-    for key, value in (feed_dict or {}).items():
-      tensor = key
-      if isinstance(key, str):
-        try:
-          tensor = self.graph.as_graph_element(key)
-        except (KeyError, ValueError):
-          continue
-      if isinstance(tensor, tf.Tensor):
-        yield tensor, value
+    return fed_tensors(self.graph, feed_dict)
 
   def split(self, feed_dict, mode):
     """The feed_dict for ``mode``: pieces of fed batches for every copy's placeholders."""
@@ -171,21 +161,25 @@ class FeedSplitter:
 class BatchRule:
   """Which values fed to one run are batches (split into the pieces) and which go whole.
 
-  The run's batch rows R: ``pieces x B`` when a placeholder with a fixed first dimension B is
-  fed that many rows; else the rows of the highest-rank value fed to a placeholder with a
-  known rank (the data: images, token ids -- ties go to the count most such values share,
-  then the larger); else the same among placeholders without a shape. Then a value fed to a
-  batch placeholder (rank >= 1 or no shape) with at least one dimension is
+  Every value a batch-major script feeds (images, labels, token ids, per-token targets,
+  multi-crop images beside their labels) is split, as before this rule; what goes whole is
+  what cannot be a batch. Terms: p = pieces (copies x micro-batches), a *fixed* placeholder
+  has a fixed first dimension B, a *loose* one ``[None, ...]`` or no shape; R, the run's batch
+  rows: of the fixed placeholders fed p x B rows, else of the loose ones, else (p = 1) of all:
+  the rows of the highest-rank value (the data), ties to the count most values share, then
+  the smaller. When the highest-rank value fed is a fixed placeholder fed its B rows (a
+  fixed-size batch fed one copy's rows), nothing is split.
 
-  * with a fixed first dimension B: a batch when fed ``pieces x B`` rows. Exactly B rows
-    (several pieces) fit the placeholder as it is, so the value goes whole -- per-class
-    weights ``[C]``, a table, or a fixed-size batch fed one copy's rows (each copy then
-    trains on the same rows: the local model, warned about once) -- unless R is B and came
-    from a ``[None, ...]`` placeholder: then it is one copy's rows of that batch, and
-    ``_pieces`` says what to feed. Any other count is ``_pieces``' error.
-  * with an unknown first dimension (``[None, ...]`` or no shape): a batch when its rows are
-    R, and R is split (it did not come from a fixed placeholder fed whole); else whole -- a
-    class-weight vector beside a batch of another size.
+  * fixed, p > 1: p x B rows is a batch. Exactly B rows fit the placeholder as it is, so the
+    value goes whole -- per-class weights ``[C]``, a table -- unless a loose batch has B rows
+    too (then it is that batch's copy-sized part: ``_pieces`` names the rows to feed). With
+    nothing split at all (a fixed-size batch fed one copy's rows) every copy trains on the
+    same rows -- the local model -- and epl warns once. Other counts: ``_pieces``' error.
+  * fixed, p = 1 (the other copies of a split model's evaluation run): a batch when fed R rows.
+  * loose: a batch when its rows are a multiple or a divisor of R (equal rows, per-token
+    targets of R sequences, the labels of multi-crop images); else whole, warned once -- a
+    class-weight vector is such a value only when its length does not divide, nor is
+    divided by, the batch's rows: declare it ``[C]``.
   """
 
   def __init__(self, batch_placeholders, pieces, fed, warned):
@@ -193,49 +187,73 @@ class BatchRule:
     candidates = [(t, r, np.ndim(v)) for t, r, v in ((t, _rows(v), v) for t, v in fed
                                                      if t in batch_placeholders)
                   if r is not None]
-    split_fixed = [r for t, r, _ in candidates
-                   if _fixed(t) is not None and pieces > 1 and r == _fixed(t) * pieces]
-    known = [c for c in candidates if c[0].shape.rank is not None]
-    data = _data(known) or _data([c for c in candidates if c[0].shape.rank is None])
-    self.rows = split_fixed[0] if split_fixed else data[1] if data else None
-    # R came from a [None, ...] placeholder (its one-copy's-rows fixed peers are batches), or
-    # from a fixed one fed whole (nothing is split)
-    self.unknown_source = not split_fixed and data is not None and _fixed(data[0]) is None
-    self.whole = not split_fixed and data is not None and _fixed(data[0]) is not None
+    split_fixed = [c for c in candidates
+                   if _fixed(c[0]) is not None and pieces > 1 and c[1] == _fixed(c[0]) * pieces]
+    loose = [c for c in candidates if _fixed(c[0]) is None]
+    if pieces > 1 and not split_fixed and loose and \
+        max(c[2] for c in loose) < max(c[2] for c in candidates):
+      loose = []          # the data is a fixed placeholder fed its B rows: nothing is split
+    source = split_fixed or loose or (candidates if pieces == 1 else [])
+    self.rows, self.from_loose = _data(source), not split_fixed and bool(loose)
+    self.whole = bool(candidates) and not source
 
   def is_batch(self, tensor, value):
     rows = _rows(value)
     if tensor not in self.batch or not np.ndim(value) or rows is None:
       return False
     fixed = _fixed(tensor)
-    if fixed is None:
-      return rows == self.rows and not self.whole
-    if self.pieces > 1 and rows == fixed and not (self.unknown_source and rows == self.rows):
-      if self.warned is not None and tensor.op.name not in self.warned:
-        self.warned.add(tensor.op.name)
-        log.warning(
-            "%r is fed %d rows, its declared first dimension: epl gives the value whole to "
-            "every model copy and micro-batch (per-class weights, a table). If it is a batch, "
-            "every copy now trains on the same rows: feed %d rows so that each copy gets its "
-            "own %d", tensor.op.name, rows, rows * self.pieces, rows)
+    if fixed is not None:
+      if self.pieces == 1:
+        return rows == self.rows
+      if rows == fixed and not (self.from_loose and rows == self.rows):
+        if self.whole:
+          self._warn(tensor, "%r is fed %d rows, its declared first dimension: every model copy "
+                     "and micro-batch gets them whole and trains on the same rows (the local "
+                     "model, without the speed-up). Feed %d rows so that each gets its own %d",
+                     tensor.op.name, rows, rows * self.pieces, rows)
+        return False
+      return True
+    if self.whole:
       return False
-    return True
+    if not self.rows or not rows or rows % self.rows == 0 or self.rows % rows == 0:
+      return True
+    self._warn(tensor, "%r is fed %d rows, neither a multiple nor a divisor of this run's batch "
+               "rows (%d): it is not a batch, and every model copy and micro-batch gets it "
+               "whole. Declare its size (e.g. tf.placeholder(..., [%d])) to say so",
+               tensor.op.name, rows, self.rows, rows)
+    return False
+
+  def _warn(self, tensor, message, *args):
+    if self.warned is not None and tensor.op.name not in self.warned:
+      self.warned.add(tensor.op.name)
+      log.warning(message, *args)
 
 
-def _data(candidates):
-  """The (placeholder, rows) of the highest-rank value among ``candidates`` (ties: the rows
-  most of them share, then the larger count), or None."""
-  if not candidates:
-    return None
-  top = max(rank for _, _, rank in candidates)
-  tied = [(t, r) for t, r, rank in candidates if rank == top]
-  counts = [r for _, r in tied]
-  rows = max(set(counts), key=lambda r: (counts.count(r), r))
-  return next((t, r) for t, r in tied if r == rows)
+def fed_tensors(graph, feed_dict):
+  """(tensor, value) of a feed_dict, its keys given as tensors or as tensor names."""
+  for key, value in (feed_dict or {}).items():
+    tensor = key
+    if isinstance(key, str):
+      try:
+        tensor = graph.as_graph_element(key)
+      except (KeyError, ValueError):
+        continue
+    if isinstance(tensor, tf.Tensor):
+      yield tensor, value
 
 
 def _fixed(tensor):
   return tensor.shape.dims[0].value if tensor.shape.rank else None
+
+
+def _data(candidates):
+  """The rows of the highest-rank value among ``candidates`` ((placeholder, rows, rank)):
+  ties go to the rows most of them share, then to the smaller count; None if none."""
+  if not candidates:
+    return None
+  top = max(rank for _, _, rank in candidates)
+  counts = [r for _, r, rank in candidates if rank == top]
+  return max(set(counts), key=lambda r: (counts.count(r), -r))
 
 
 def _rows(value):

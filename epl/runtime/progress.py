@@ -131,7 +131,7 @@ class Progress:
 
   def fed_rows(self, feed_dict):
     """Rows fed to batch placeholders in this run (None when none are fed)."""
-    fed = [(k, v) for k, v in (feed_dict or {}).items() if getattr(k, "op", None) is not None]
+    fed = list(feeds.fed_tensors(self._parallel.graph, feed_dict))
     pieces = self._parallel.num_copies * self._parallel.plan.num_micro_batch
     rule = feeds.BatchRule(self._batch, pieces, fed, warned=None)
     rows = [np.shape(v)[0] for k, v in fed if rule.is_batch(k, v)]
