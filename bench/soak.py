@@ -2,7 +2,7 @@
 
   python bench/soak.py [--alone] [--seconds 600] [--cases dp2x1,dp2x2,pipe2x1,zero2x1,local1x2]
                        [--interval 10] [--checkpoint-secs 30] [--eval-every 500] [--json]
-  python bench/soak.py --cases restart2x1 --target-steps 80000
+  python bench/soak.py --cases restart2x1 --target-steps 100000
                        [--kill-every 120 | --kill-at-steps 20000,40000]
 
 Cases (each worker is a user's training script started from TF_CONFIG, as a scheduler or
