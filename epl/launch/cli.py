@@ -206,11 +206,6 @@ def restart_refused(code, error, ran):
     return "a %s repeats on every start" % error
   if code is not None and code < 0:
     return ""                                  # killed (OOM, preempted, kill -9): restart
-  if error == "PeerError":
-    # another worker was lost after the start-up barrier -- on another host even before this
-    # one's first step: that worker's fault, which its own launcher judges (a repeating error
-    # there ends its launcher, and this restart then ends at the start-up barrier)
-    return ""
   if not ran:
     return ("it failed before the job's first step (%s), which a restart would repeat" %
             (error or describe_exit(code)))
