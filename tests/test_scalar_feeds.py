@@ -62,15 +62,21 @@ class _null:
     return False
 
 
+def _start(sess, t, initial):
+  """Initialises the graph's variables and loads ``initial`` (None: keeps and returns its own)."""
+  sess.run(t["init"])
+  variables = {v.op.name: v for v in tf.global_variables()}
+  if initial is None:
+    initial = {n: sess.run(v) for n, v in variables.items()}
+  else:
+    for n, v in variables.items():
+      v.load(initial[n], sess)
+  return variables, initial
+
+
 def _train(g, t, initial, data, feeds):
   with g.as_default(), tf.Session() as sess:
-    sess.run(t["init"])
-    variables = {v.op.name: v for v in tf.global_variables()}
-    if initial is None:
-      initial = {n: sess.run(v) for n, v in variables.items()}
-    else:
-      for n, v in variables.items():
-        v.load(initial[n], sess)
+    variables, initial = _start(sess, t, initial)
     losses = []
     for s, (x, y) in enumerate(data):
       fed = {t["x"]: x, t["y"]: y}
@@ -139,13 +145,7 @@ def _train_weights(g, t, initial, data, rng_seed=9):
   if not t["class_weight"].consumers():
     del extra[t["class_weight"]]
   with g.as_default(), tf.Session() as sess:
-    sess.run(t["init"])
-    variables = {v.op.name: v for v in tf.global_variables()}
-    if initial is None:
-      initial = {n: sess.run(v) for n, v in variables.items()}
-    else:
-      for n, v in variables.items():
-        v.load(initial[n], sess)
+    variables, initial = _start(sess, t, initial)
     losses = []
     for x, y in data:
       fed = {t["x"]: x, t["y"]: y}
@@ -235,13 +235,7 @@ def _tokens_graph(config, pipeline):
 
 def _train_tokens(g, t, initial, data):
   with g.as_default(), tf.Session() as sess:
-    sess.run(t["init"])
-    variables = {v.op.name: v for v in tf.global_variables()}
-    if initial is None:
-      initial = {n: sess.run(v) for n, v in variables.items()}
-    else:
-      for n, v in variables.items():
-        v.load(initial[n], sess)
+    variables, initial = _start(sess, t, initial)
     losses = [sess.run([t["loss"], t["train"]], {t["tokens"]: x, t["targets"]: y,
                                                   t["sentence_weight"]: w})[0]
               for x, y, w in data]
