@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from tests.values import load_values, read_values
 
 KINDS = ("GLOBAL_MEAN_OBJECTS", "GLOBAL_SUM_OBJECTS", "GLOBAL_CONCAT_OBJECTS",
          "LOCAL_MEAN_OBJECTS", "LOCAL_SUM_OBJECTS", "LOCAL_CONCAT_OBJECTS")
@@ -70,8 +71,7 @@ def local_values(initial, x, y, pieces):
     tx, ty, _, fetched = build(None)
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
-      for v in tf.global_variables():
-        v.load(initial[v.op.name], sess)
+      load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
       out = [sess.run([fetched["LOCAL_MEAN_OBJECTS"], fetched["LOCAL_CONCAT_OBJECTS"]],
                       {tx: px, ty: py})
              for px, py in zip(np.split(x, pieces), np.split(y, pieces))]
@@ -85,7 +85,7 @@ def initial_values(seed=1):
     build(None)
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
-      return {v.op.name: sess.run(v) for v in tf.global_variables()}
+      return read_values(sess, tf.global_variables())
 
 
 VOTE_KINDS = ("GLOBAL_SUM_OBJECTS", "GLOBAL_MEAN_OBJECTS", "GLOBAL_CONCAT_OBJECTS",
@@ -108,9 +108,8 @@ def fetch_under_epl(config, stages, initial, x, y, vote=1.0):
       epl.add_to_collection(votes["vote_" + kind], getattr(epl.GraphKeys, kind))
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
-      for v in tf.global_variables():
-        if v.op.name in initial:
-          v.load(initial[v.op.name], sess)
+      load_values(sess, [v for v in tf.global_variables() if v.op.name in initial],
+                  lambda v: initial[v.op.name])
       values = sess.run([train, fetched], {tx: x, ty: y})[1]
       values.update(sess.run(votes, {ballot: [vote]}))
   return values

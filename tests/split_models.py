@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from tests.values import load_values
 
 FEATURES = 12
 
@@ -160,13 +161,13 @@ def whole_values(sess, variables):
 
 def load_whole(sess, variables, values):
   """Sets every variable (or part) to its slice of ``values`` (by local name)."""
-  for var in variables:
+  def value(var):
     info = var._get_save_slice_info()     # pylint: disable=protected-access
     if info is None:
-      var.load(values[var.op.name], sess)
-    else:
-      var.load(values[info.full_name][tuple(
-          slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))], sess)
+      return values[var.op.name]
+    return values[info.full_name][tuple(
+        slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))]
+  load_values(sess, variables, value)
 
 
 def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),

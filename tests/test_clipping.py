@@ -10,6 +10,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
+from tests.values import load_values, read_values
 
 CLIP, STEPS, BATCH = 0.05, 4, 4          # the norm is clipped in every step
 
@@ -34,15 +35,14 @@ def _train(train_fn, data, config=None, initial=None):
       sess.run(tf.global_variables_initializer())
       variables = tf.trainable_variables()
       if initial:
-        for v in variables:
-          v.load(initial[v.op.name], sess)
-      start = {v.op.name: sess.run(v) for v in variables}
+        load_values(sess, variables, lambda v: initial[v.op.name])
+      start = read_values(sess, variables)
       norms = []
       for s in range(STEPS):
         rows = slice(s * 2 * BATCH, (s + 1) * 2 * BATCH)
         _, n = sess.run([train, norm], {x: data[0][rows], y: data[1][rows]})
         norms.append(n)
-      return start, {v.op.name: sess.run(v) for v in variables}, norms
+      return start, read_values(sess, variables), norms
 
 
 def _user_script(x, y):

@@ -11,6 +11,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl.errors import PlanError
+from tests.values import load_values, read_values
 
 STEPS = 3
 CLASSES = 5
@@ -67,10 +68,9 @@ def _start(sess, t, initial):
   sess.run(t["init"])
   variables = {v.op.name: v for v in tf.global_variables()}
   if initial is None:
-    initial = {n: sess.run(v) for n, v in variables.items()}
+    initial = read_values(sess, variables.values())
   else:
-    for n, v in variables.items():
-      v.load(initial[n], sess)
+    load_values(sess, variables.values(), lambda v: initial[v.op.name])
   return variables, initial
 
 
@@ -84,7 +84,7 @@ def _train(g, t, initial, data, feeds):
       losses.append(sess.run([t["loss"], t["train"]], fed)[0])
     evaluation = sess.run(t["loss"], {t["x"]: data[0][0][:3], t["y"]: data[0][1][:3],
                                       t["is_training"]: False, t["keep"]: 1.0})
-    return initial, losses, {n: sess.run(v) for n, v in variables.items()}, evaluation
+    return initial, losses, read_values(sess, variables.values()), evaluation
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -151,7 +151,7 @@ def _train_weights(g, t, initial, data, rng_seed=9):
       fed = {t["x"]: x, t["y"]: y}
       fed.update(extra)
       losses.append(sess.run([t["loss"], t["train"]], fed)[0])
-    return initial, losses, {n: sess.run(v) for n, v in variables.items()}
+    return initial, losses, read_values(sess, variables.values())
 
 
 def _assert_same_model(local, run):
@@ -239,7 +239,7 @@ def _train_tokens(g, t, initial, data):
     losses = [sess.run([t["loss"], t["train"]], {t["tokens"]: x, t["targets"]: y,
                                                   t["sentence_weight"]: w})[0]
               for x, y, w in data]
-    return initial, losses, {n: sess.run(v) for n, v in variables.items()}
+    return initial, losses, read_values(sess, variables.values())
 
 
 @pytest.mark.parametrize("pipeline", [False, True])

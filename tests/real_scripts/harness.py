@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from tests.values import load_values, read_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +83,8 @@ def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=No
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
       if initial:
-        for v in variables:
-          v.load(initial[v.op.name], sess)
-      start = {v.op.name: sess.run(v) for v in variables}
+        load_values(sess, variables, lambda v: initial[v.op.name])
+      start = read_values(sess, variables)
       losses, fetched = [], []
       for rows in batches:
         feed_dict = {t["placeholders"][k]: v[rows] for k, v in data.items()}
@@ -93,7 +93,7 @@ def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=No
                             **{k: t[k] for k in extra}), feed_dict)
         losses.append(float(out["loss"]))
         fetched.append({k: out[k] for k in extra})
-      final = {v.op.name: sess.run(v) for v in variables}
+      final = read_values(sess, variables)
       result = after(sess, t) if after else None
       parallel = epl.Graph.get() if mode is not None else None
   return Run(losses, final, start, fetched, result, parallel)

@@ -20,6 +20,7 @@ import tensorflow.compat.v1 as tf
 tf.disable_v2_behavior()
 
 import epl  # noqa: E402
+from tests.values import read_values
 
 EVERY = 4
 
@@ -56,7 +57,7 @@ def main():
       bx, by = batch(current, worker)
       _, current = sess.run([train, step], {x: bx, y: by})
       print("worker %d step %d" % (worker, current), flush=True)
-    final = {v.op.name: sess.run(v) for v in tf.global_variables()}
+    final = read_values(sess, tf.global_variables())
   np.savez(os.path.join(out, "final_%d.npz" % worker), **final)
   print("worker %d done" % worker, flush=True)
 
