@@ -60,14 +60,16 @@ def _model(tf, name, x):
 def _timed(run, steps, warmup=3):
   for _ in range(warmup):
     run()
-  times, (tx0, rx0) = [], _link_bytes()
+  times, (tx0, rx0), cpu0 = [], _link_bytes(), os.times()
   for _ in range(steps):
     start = time.perf_counter()
     run()
     times.append(time.perf_counter() - start)
   tx1, rx1 = _link_bytes()
+  cpu1 = os.times()
   return {"seconds": statistics.median(times), "tx_per_step": (tx1 - tx0) / steps,
-          "rx_per_step": (rx1 - rx0) / steps}
+          "rx_per_step": (rx1 - rx0) / steps,
+          "cpu_per_step": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / steps}
 
 
 def worker_allreduce(args):
@@ -75,6 +77,9 @@ def worker_allreduce(args):
   import tensorflow.compat.v1 as tf
   tf.disable_v2_behavior()
   import epl
+  import epl.collectives
+  if os.environ.get("BENCH_PIECE_KIB"):     # experiments: another piece size than epl's
+    epl.collectives.PIECE_BYTES = int(os.environ["BENCH_PIECE_KIB"]) << 10
   epl.init()
   with epl.replicate(1):
     w = tf.get_variable("w", [4], initializer=tf.ones_initializer())
@@ -331,15 +336,22 @@ def measure(bed, rate, args, have_hvd):
       epl_r = b.run("allreduce", hosts, "--mib", mib)
       row = {"hosts": hosts, "mib": mib, "bound_s": ring_seconds(mib * MIB, hosts, rate),
              "epl_s": max(r["seconds"] for r in epl_r),
-             "epl_tx_per_step": statistics.mean(r["tx_per_step"] for r in epl_r)}
+             "epl_tx_per_step": statistics.mean(r["tx_per_step"] for r in epl_r),
+             "epl_cpu_s": sum(r["cpu_per_step"] for r in epl_r)}
       if have_hvd:
         hvd_r = b.run("horovod_allreduce", hosts, "--mib", mib, horovod=True)
         row["hvd_s"] = max(r["seconds"] for r in hvd_r)
+        row["hvd_cpu_s"] = sum(r["cpu_per_step"] for r in hvd_r)
       report["allreduce"].append(row)
-      print("  all-reduce %2d MiB, %d hosts: epl %.3f s, bound %.3f s, link fraction %.2f%s" % (
-          mib, hosts, row["epl_s"], row["bound_s"], row["bound_s"] / row["epl_s"],
-          "; Horovod %.3f s (%.2f)" % (row["hvd_s"], row["bound_s"] / row["hvd_s"])
-          if "hvd_s" in row else ""), flush=True)
+      # CPU: seconds of CPU per all-reduce, summed over the hosts' workers (the hosts share
+      # this machine's cores: a sum near 2 x the time is a CPU-bound all-reduce)
+      print("  all-reduce %2d MiB, %d hosts: epl %.3f s (CPU %.2f s), bound %.3f s, link "
+            "fraction %.2f%s" % (
+                mib, hosts, row["epl_s"], row["epl_cpu_s"], row["bound_s"],
+                row["bound_s"] / row["epl_s"],
+                "; Horovod %.3f s (CPU %.2f s, %.2f)" % (
+                    row["hvd_s"], row["hvd_cpu_s"], row["bound_s"] / row["hvd_s"])
+                if "hvd_s" in row else ""), flush=True)
   for model in ("comm", "compute"):
     local = max(r["seconds"] for r in b.run("local", 2, "--model", model))
     dp = b.run("dp", 2, "--model", model)

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
-from tests.values import load_values, read_values
+from epl.testing.values import load_values, read_values
 
 KINDS = ("GLOBAL_MEAN_OBJECTS", "GLOBAL_SUM_OBJECTS", "GLOBAL_CONCAT_OBJECTS",
          "LOCAL_MEAN_OBJECTS", "LOCAL_SUM_OBJECTS", "LOCAL_CONCAT_OBJECTS")

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
-from tests.values import load_values
+from epl.testing.values import load_values
 
 FEATURES = 12
 

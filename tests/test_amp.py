@@ -16,6 +16,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.values import read_values
 from epl.errors import NotImplementedYetError
 from epl.testing import assert_parity
 from tests import models
@@ -135,7 +136,7 @@ def _clipped_run(config, steps=4):
     with tf.Session() as sess:
       sess.run(init)
       norms = [sess.run([train, norm], {x: xs[i], y: ys[i]})[1] for i in range(steps)]
-      return norms, {v.op.name: sess.run(v) for v in params}
+      return norms, read_values(sess, params)
 
 
 def test_the_users_clipping_sees_unscaled_gradients():
@@ -174,11 +175,11 @@ def test_an_overflowing_step_is_skipped_and_the_dynamic_scale_halves():
       state = tf.global_variables()
       sess.run(train, {x: feed_x, y: feed_y})
       assert sess.run(scale) == 2.0 ** 15
-      before = {v.op.name: sess.run(v) for v in state}
+      before = read_values(sess, state)
       # 1e6 is beyond float16's range (65504): the forward pass overflows to inf
       value, _ = sess.run([loss, train], {x: feed_x * 1e6, y: feed_y})
       assert not np.isfinite(value)
-      after = {v.op.name: sess.run(v) for v in state}
+      after = read_values(sess, state)
       for name, v in before.items():          # weights, Adam slots, beta powers, global_step
         if not name.startswith("epl_amp/"):
           np.testing.assert_array_equal(after[name], v, err_msg=name)
@@ -186,7 +187,7 @@ def test_an_overflowing_step_is_skipped_and_the_dynamic_scale_halves():
       sess.run(train, {x: feed_x, y: feed_y})
       assert sess.run(tf.train.get_global_step()) == 2
       assert sess.run(scale) == 2.0 ** 14
-      changed = {v.op.name: sess.run(v) for v in state}
+      changed = read_values(sess, state)
       assert not np.array_equal(changed["dense/kernel"], after["dense/kernel"])
 
 

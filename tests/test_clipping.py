@@ -10,7 +10,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
-from tests.values import load_values, read_values
+from epl.testing.values import load_values, read_values
 
 CLIP, STEPS, BATCH = 0.05, 4, 4          # the norm is clipped in every step
 

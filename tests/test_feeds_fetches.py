@@ -4,6 +4,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.values import load_values, read_values
 from tests import models
 
 
@@ -31,8 +32,7 @@ def _session(g, t, initial=None):
     sess = tf.Session()
     sess.run(tf.global_variables_initializer())
     if initial:
-      for v in tf.global_variables():
-        v.load(initial[v.op.name], sess)
+      load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
     return sess, {v.op.name: v for v in tf.global_variables()}
 
 
@@ -40,7 +40,7 @@ def _pair(devices=2, fixed=None, local_fixed=None, micro=1):
   cfg = epl.Config({"cluster.devices_per_worker": devices, "pipeline.num_micro_batch": micro})
   lg, lt = _graph(None, local_fixed)
   ls, lv = _session(lg, lt)
-  initial = {n: ls.run(v) for n, v in lv.items()}
+  initial = read_values(ls, lv.values())
   dg, dt = _graph(cfg, fixed)
   ds, dv = _session(dg, dt, initial)
   return (ls, lt, lv), (ds, dt, dv)

@@ -11,7 +11,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl.errors import PlanError
-from tests.values import load_values, read_values
+from epl.testing.values import load_values, read_values
 
 STEPS = 3
 CLASSES = 5

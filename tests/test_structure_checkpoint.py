@@ -4,6 +4,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.values import read_values
 from epl.testing import run_model
 from tests import models
 
@@ -102,7 +103,7 @@ def _train_and_save(path, use_epl, steps=3):
                                            log_step_count_steps=None) as sess:
       for _ in range(steps):
         sess.run(train)
-      values = {v.op.name: sess.run(v) for v in tf.global_variables()}
+      values = read_values(sess, tf.global_variables())
   return values
 
 
@@ -123,7 +124,7 @@ def _restore(path, use_epl):
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
       saver.restore(sess, tf.train.latest_checkpoint(path))
-      values = {v.op.name: sess.run(v) for v in tf.global_variables()}
+      values = read_values(sess, tf.global_variables())
       copies = {}
       if use_epl:
         for name, ops in epl.Graph.get().replication.mirrored.items():

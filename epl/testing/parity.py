@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.values import load_values, read_values
 
 
 @dataclasses.dataclass
@@ -86,12 +87,10 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     init = tf.global_variables_initializer()
     with tf.Session() as sess:
       sess.run(init)
-      start = {v.op.name: sess.run(v) for v in variables}
       if initial:
-        for v in variables:
-          if v.op.name in initial:
-            v.load(initial[v.op.name], sess)
-        start = {v.op.name: sess.run(v) for v in variables}
+        load_values(sess, [v for v in variables if v.op.name in initial],
+                    lambda v: initial[v.op.name])
+      start = read_values(sess, variables)
       losses = []
       for step in range(steps):
         if feed:
@@ -104,7 +103,7 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
           continue
         value, _ = sess.run([loss, train_op], fd)
         losses.append(float(value))
-      final = {v.op.name: sess.run(v) for v in variables}
+      final = read_values(sess, variables)
       parallel = epl.Graph.get() if config is not None else None
   return ParityResult(losses, final, start, graph, parallel)
 

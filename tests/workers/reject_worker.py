@@ -57,7 +57,7 @@ def main():
       _, value = sess.run([train, loss])
       losses.append(value)
     names = sorted(v.op.name for v in tf.global_variables())
-    values = {n: sess.run(n + ":0") for n in names}
+    values = dict(zip(names, sess.run([n + ":0" for n in names])))
   np.savez(os.path.join(out, "worker_%d.npz" % index), __losses__=np.array(losses), **values)
   print("worker %d done" % index, flush=True)
 

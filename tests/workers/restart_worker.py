@@ -20,7 +20,7 @@ import tensorflow.compat.v1 as tf
 tf.disable_v2_behavior()
 
 import epl  # noqa: E402
-from tests.values import read_values
+from epl.testing.values import read_values
 
 EVERY = 4
 

@@ -44,7 +44,7 @@ def main():
   with tf.train.MonitoredTrainingSession(checkpoint_dir=ckpt, save_checkpoint_steps=2,
                                          save_summaries_steps=None,
                                          log_step_count_steps=None) as sess:
-    start = {n: sess.run(n + ":0") for n in names}
+    start = dict(zip(names, sess.run([n + ":0" for n in names])))
     first = int(start["global_step"])
     np.savez(os.path.join(out, "start_%d.npz" % index), **start)
     print("worker %d starts at step %d" % (index, first), flush=True)

@@ -1,4 +1,4 @@
-"""Setting and reading many variables in one ``session.run`` each.
+"""Setting and reading many variables in one ``session.run`` each (parity tests, tests/).
 
 ``Variable.load`` and ``sess.run(v)`` per variable run a new fetch set every time, and a new
 fetch set costs TF a new executor for the whole graph: ~40 ms a variable on a BERT-sized graph
