@@ -95,6 +95,15 @@ def worker_allreduce(args):
       reduced = pg.collectives.all_reduce([big.read_value()], [mine], "sum",
                                           group=pg.plan.group_of(0))[0]
     result = _timed(lambda: sess.run(reduced.op), args.steps)
+    if args.trace:          # experiments: where one all-reduce's time goes, op by op
+      meta = tf.RunMetadata()
+      sess.run(reduced.op, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+               run_metadata=meta)
+      spans = [(n.node_name, n.all_start_micros, n.all_start_micros + n.all_end_rel_micros)
+               for d in meta.step_stats.dev_stats for n in d.node_stats]
+      first = min(s for _, s, _ in spans)
+      result["trace"] = sorted((name, (s - first) / 1e6, (e - first) / 1e6)
+                               for name, s, e in spans if e - s > 2000)
   print(json.dumps(result), flush=True)
 
 

@@ -13,7 +13,8 @@ Public API (names fixed by EPL's documentation):
 
 ``import epl`` does not import TensorFlow (the names load on first use), so the command-line
 tools answer ``--help`` at once; it sets ``TF_USE_LEGACY_KERAS=1`` if unset, which must happen
-before ``tf.layers`` is first touched.
+before ``tf.layers`` is first touched, and ``TF_CPU_ALLOCATOR_USE_BFC=true`` if unset (TF's
+pooling allocator for CPU memory; epl.env.set_env_defaults says why).
 """
 import importlib
 

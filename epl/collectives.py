@@ -43,7 +43,8 @@ log = logging.getLogger("epl")
 
 # across workers on the ring, a tensor larger than this is all-reduced in pieces of this size
 # run at the same time (Collectives._ring_pieces)
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 2 << 20
+
 
 def by_worker(group, clients=None):
   """[(worker, the devices it builds, in group order)], workers in group order.
@@ -198,7 +199,9 @@ class Collectives:
     its parse), with one such transfer at a time per neighbour, so the link idles while a
     large chunk is copied: 64 MiB in one all-reduce between 2 hosts reached 0.70 of a
     1 Gbit/s link's ring bound and 0.26 of a 10 Gbit/s one; in 16 pieces of 4 MiB 0.95
-    (Horovod/Gloo's figure) and 0.49 (bench/cluster.py, docs/benchmarks.md). Element-wise
+    (Horovod/Gloo's figure) and 0.49 (bench/cluster.py, docs/benchmarks.md); with TF's
+    pooling allocator (epl.env) 2 MiB pieces did best (0.94 against 0.92 for 4 MiB on a
+    slower machine state, where Horovod reached 0.89-0.90). Element-wise
     collectives only (a piece's sums are the whole one's, added in a ring order that may
     differ among 3 or more workers). NCCL pipelines large buffers itself: on GPUs a tensor
     stays whole.

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
+from epl import collectives
 from epl.cluster import worker_of
 from epl.collectives import Collectives
 
@@ -81,9 +82,14 @@ def test_mean_across_workers_costs_at_most_one_pass(per_worker, chunked, fp16, f
   assert len(after) == multiplies, [op.name for op in after]
 
 
+def _pieces(count, dtype):
+  per = collectives.PIECE_BYTES // dtype.size
+  return [per] * (count // per) + ([count % per] if count % per else [])
+
+
 @pytest.mark.parametrize("on_gpu,dtype,sizes", [
-    (False, tf.float32, [1 << 20, 1 << 20, 1 << 19]),    # 10 MiB: two 4 MiB pieces and one 2
-    (False, tf.float16, [1 << 21, 1 << 19]),             # 5 MiB of float16: 4 MiB and 1
+    (False, tf.float32, _pieces(5 << 19, tf.float32)),   # 10 MiB: 2 MiB pieces
+    (False, tf.float16, _pieces(5 << 19, tf.float16)),   # 5 MiB of float16: 2, 2 and 1 MiB
     (True, tf.float32, [5 << 19]),                       # NCCL: whole
 ])
 def test_a_large_tensor_crosses_the_ring_in_pieces(on_gpu, dtype, sizes):

@@ -5,7 +5,7 @@ Reads OUT_DIR/data.npz and OUT_DIR/initial.npz, trains on this worker's shard (b
 worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final variables.
 COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices.
 TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (default
-epl.collectives.PIECE_BYTES, 4 MiB: the test models' gradients are smaller).
+epl.collectives.PIECE_BYTES, 2 MiB: the test models' gradients are smaller).
 """
 import os
 import sys
