@@ -80,6 +80,8 @@ def worker_allreduce(args):
   import epl.collectives
   if os.environ.get("BENCH_PIECE_KIB"):     # experiments: another piece size than epl's
     epl.collectives.PIECE_BYTES = int(os.environ["BENCH_PIECE_KIB"]) << 10
+  if os.environ.get("BENCH_IN_FLIGHT"):
+    epl.collectives.PIECES_IN_FLIGHT = int(os.environ["BENCH_IN_FLIGHT"])
   epl.init()
   with epl.replicate(1):
     w = tf.get_variable("w", [4], initializer=tf.ones_initializer())

@@ -88,7 +88,7 @@ def _pieces(count, dtype):
 
 
 @pytest.mark.parametrize("on_gpu,dtype,sizes", [
-    (False, tf.float32, _pieces(5 << 19, tf.float32)),   # 10 MiB: 2 MiB pieces
+    (False, tf.float32, _pieces(5 << 19, tf.float32)),   # 10 MiB: 5 pieces of 2 MiB
     (False, tf.float16, _pieces(5 << 19, tf.float16)),   # 5 MiB of float16: 2, 2 and 1 MiB
     (True, tf.float32, [5 << 19]),                       # NCCL: whole
 ])
@@ -107,4 +107,8 @@ def test_a_large_tensor_crosses_the_ring_in_pieces(on_gpu, dtype, sizes):
   assert [op.inputs[0].shape.num_elements() for op in reduces] == sizes
   instances = [op.inputs[3].op.get_attr("value").int_val[0] for op in reduces]
   assert len(set(instances)) == len(reduces)
+  k = collectives.PIECES_IN_FLIGHT        # piece j starts once piece j - k is done (TF puts
+  waits = [{c.name for c in op.control_inputs}   # the dependency on the op's constant inputs)
+           | {c.name for i in op.inputs for c in i.op.control_inputs} for op in reduces]
+  assert waits == [{reduces[j - k].name} if j >= k else set() for j in range(len(reduces))]
   assert out.shape == x.shape and out.dtype == dtype
