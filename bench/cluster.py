@@ -23,6 +23,10 @@ TF_CONFIG as a scheduler starts it. Needs root. Measured, per rate:
 (e) samples/s of the comm model under epl against Horovod's DistributedOptimizer.
 ``--png``: each link's bytes/s over one traced step of the comm model (1st rate) with worker
 0's phases (forward, backward, all-reduce buckets, update) from its trace.
+
+Experiments (workers' environment): BENCH_PIECE_KIB and BENCH_IN_FLIGHT set epl's ring piece
+size and pieces in flight (epl.collectives); ``--role allreduce --trace`` adds one traced
+all-reduce's ops (name, start, end) to its JSON.
 """
 import argparse
 import json
