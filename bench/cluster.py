@@ -55,9 +55,14 @@ def _link_bytes():
 def _model(tf, name, x):
   widths, _ = MODELS[name]
   h = x
+  blocks = int(os.environ.get("BENCH_BLOCKS", "0"))
   for i, width in enumerate(widths[1:]):
-    h = tf.layers.dense(h, width, activation=tf.nn.relu if i < len(widths) - 2 else None,
-                        use_bias=False, name="layer%d" % i)
+    act = tf.nn.relu if i < len(widths) - 2 else None
+    if blocks:
+      h = tf.concat([tf.layers.dense(h, width // blocks, activation=act, use_bias=False,
+                                     name="layer%d_%d" % (i, j)) for j in range(blocks)], 1)
+      continue
+    h = tf.layers.dense(h, width, activation=act, use_bias=False, name="layer%d" % i)
   return tf.reduce_mean(tf.square(h))
 
 
@@ -76,16 +81,21 @@ def _timed(run, steps, warmup=3):
           "cpu_per_step": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / steps}
 
 
+def _experiment_knobs():
+  """Another ring piece size or number of pieces in flight than epl's (docstring)."""
+  import epl.collectives
+  if os.environ.get("BENCH_PIECE_KIB"):
+    epl.collectives.PIECE_BYTES = int(os.environ["BENCH_PIECE_KIB"]) << 10
+  if os.environ.get("BENCH_IN_FLIGHT"):
+    epl.collectives.PIECES_IN_FLIGHT = int(os.environ["BENCH_IN_FLIGHT"])
+
+
 def worker_allreduce(args):
   """epl's cross-worker all-reduce of --mib MiB (float32)."""
   import tensorflow.compat.v1 as tf
   tf.disable_v2_behavior()
   import epl
-  import epl.collectives
-  if os.environ.get("BENCH_PIECE_KIB"):     # experiments: another piece size than epl's
-    epl.collectives.PIECE_BYTES = int(os.environ["BENCH_PIECE_KIB"]) << 10
-  if os.environ.get("BENCH_IN_FLIGHT"):
-    epl.collectives.PIECES_IN_FLIGHT = int(os.environ["BENCH_IN_FLIGHT"])
+  _experiment_knobs()
   epl.init()
   with epl.replicate(1):
     w = tf.get_variable("w", [4], initializer=tf.ones_initializer())
@@ -138,6 +148,7 @@ def worker_dp(args):
   import tensorflow.compat.v1 as tf
   tf.disable_v2_behavior()
   import epl
+  _experiment_knobs()
   config = {"communication.fp16": True} if args.fp16 else {}
   env = epl.init(epl.Config(config))
   with epl.replicate(1):

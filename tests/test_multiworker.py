@@ -48,6 +48,7 @@ COMMUNICATION = {"EPL_COMMUNICATION_FP16": "true", "EPL_COMMUNICATION_NUM_COMMUN
 AMP = {"EPL_AMP_LEVEL": "O1", "EPL_AMP_LOSS_SCALE": "dynamic"}
 ZERO = {"EPL_ZERO_LEVEL": "v0", "EPL_LOG_LEVEL": "debug"}
 PIECES = {"TEST_PIECE_BYTES": "40"}      # every bucket all-reduced in pieces of 10 floats
+PIECES_FP16 = dict(PIECES, EPL_COMMUNICATION_FP16="true")
 ZERO_ACCUMULATE = dict(ZERO, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
@@ -71,12 +72,13 @@ def local_run(tmp_path, model, global_batch, steps, seed):
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
     (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1), (2, 2, ZERO_V1),
     (2, 2, ZERO_V1_ACCUMULATE), (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE),
-    (2, 2, PIECES)],
+    (2, 2, PIECES), (2, 1, PIECES_FP16)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
          "2x1 zero v0", "2x2 zero v0", "2x2 zero v0 with 2 micro-batches", "2x1 zero v1",
          "2x2 zero v1", "2x2 zero v1 with 2 micro-batches", "2x1 zero v2", "2x2 zero v2",
-         "2x2 zero v2 with 2 micro-batches", "2x2 all-reduce in pieces"])
+         "2x2 zero v2 with 2 micro-batches", "2x2 all-reduce in pieces",
+         "2x1 all-reduce in pieces in float16"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
@@ -112,19 +114,26 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
   losses = np.mean([r["__losses__"] for r in results], axis=0)
   # float16 on the wire: ~3 decimal digits per gradient (scaled by 128 before the cast)
   # AMP: float16 matmuls (see tests/test_amp.py for the tolerance)
-  rtol = {id(COMMUNICATION): 2e-3, id(AMP): 3e-3}.get(id(env), 1e-5)
+  rtol = {id(COMMUNICATION): 2e-3, id(PIECES_FP16): 2e-3, id(AMP): 3e-3}.get(id(env), 1e-5)
   tol = rtol * np.maximum(1, np.abs(local.losses))
   assert (np.abs(losses - local.losses) <= tol).all(), (losses, local.losses)
   for r in results:                                   # every worker holds the same model
     for name, value in local.variables.items():
       np.testing.assert_allclose(r[name], value, rtol=rtol, atol=rtol, err_msg=name)
-  if env is PIECES:         # more collectives than buckets, each at most a piece
+  if env in (PIECES, PIECES_FP16):   # more collectives than buckets, each at most a piece
+    most = 10 if env is PIECES else 20                 # 40 bytes of float32 or float16
     for r in results:
-      assert len(r["__reduce_sizes__"]) > 2 and max(r["__reduce_sizes__"]) <= 10, r
+      assert len(r["__reduce_sizes__"]) > 2 and max(r["__reduce_sizes__"]) <= most, r
+      # every kernel's gradient (a MatMul) streamed in blocks of rows
+      assert sorted(r["__streamed__"]) == ["dense/kernel", "dense_1/kernel", "dense_2/kernel"]
+  else:
+    assert all(len(r["__streamed__"]) == 0 for r in results)   # gradients under 2 MiB
   if env is COMMUNICATION:  # 3 buckets, each on its own channel (group), in float16
     for r in results:
       assert list(r["__reduce_dtypes__"]) == ["float16"] * 3
       assert len(set(r["__reduce_groups__"])) == 3
+  elif env is PIECES_FP16:
+    assert all(d == "float16" for r in results for d in r["__reduce_dtypes__"])
   else:
     assert all(d == "float32" for r in results for d in r["__reduce_dtypes__"])
 

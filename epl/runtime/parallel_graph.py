@@ -130,9 +130,11 @@ class ParallelGraph:
       lines.append("  TaskGraph %d %r (%s): %s" % (t.index, t.name, t.placement, where))
     sync = self.sync_report
     if sync is not None and sync.buckets + sync.gathered:
-      lines.append("  gradients: %d variable(s) in %d fused all-reduce(s)%s, %s, clipping "
+      lines.append("  gradients: %d variable(s) in %d fused all-reduce(s)%s%s, %s, clipping "
                    "%s the all-reduce" % (
                        sum(len(b) for b in sync.buckets), len(sync.buckets),
+                       " (%d streamed in blocks of rows)" % len(sync.streamed)
+                       if sync.streamed else "",
                        ", %d sparse all-gathered" % len(sync.gathered) if sync.gathered else "",
                        plan.communication.reduce_method,
                        "after" if plan.communication.clip_after_allreduce else "before"))

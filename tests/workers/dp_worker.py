@@ -64,6 +64,7 @@ def main():
   here = sum(n for name, n in sizes.items()
              if task in res.graph.get_operation_by_name(name).device)
   reduces = [op for op in res.graph.get_operations() if op.type == "CollectiveReduceV2"]
+  sync = res.parallel.sync_report if res.parallel is not None else None
   np.savez(os.path.join(out, "worker_%d.npz" % cluster.worker_index),
            __losses__=np.array(res.losses), __zero_owners__=np.array(owners, np.int64),
            __weights_here__=np.array(here), __weights_total__=np.array(sum(sizes.values())),
@@ -71,6 +72,7 @@ def main():
                                       for op in res.graph.get_operations())),
            __reduce_dtypes__=np.array([op.inputs[0].dtype.name for op in reduces]),
            __reduce_sizes__=np.array([op.inputs[0].shape.num_elements() for op in reduces]),
+           __streamed__=np.array(sync.streamed if sync is not None else [], dtype=str),
            __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
                                        for op in reduces]),
            **res.variables)
