@@ -451,13 +451,15 @@ def picture(bed, rate, args):
       row.split("/")[-1], "all-reduce" if label.startswith("AR") else "compute")
   lanes = sorted({lane(row, label) for row, label, _, _ in trace["spans"]})
   offset, width = trace["origin"] - t0, trace["end"] - t0
-  for row, label, start, end in trace["spans"]:
+  labelled = {}                  # lane -> where its last label's bar ends (no label on top)
+  for row, label, start, end in sorted(trace["spans"], key=lambda s: s[2]):
     y = lanes.index(lane(row, label))
     bottom.barh(y, (end - start) / 1e6, left=offset + start / 1e6, height=0.6,
                 color=colours.get(label, "#59a14f"), edgecolor="white", linewidth=0.6)
-    if (end - start) / 1e6 > width / 30:
+    if (end - start) / 1e6 > width / 30 and start >= labelled.get(y, -1):
       bottom.text(offset + (start + end) / 2e6, y, label, ha="center", va="center",
                   fontsize=7)
+      labelled[y] = end
   bottom.set_yticks(range(len(lanes)))
   bottom.set_yticklabels(lanes, fontsize=8)
   bottom.set_xlabel("seconds from the start of the step")
