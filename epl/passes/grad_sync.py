@@ -20,10 +20,9 @@ all-gathered (values and indices), or densified first with ``sparse_as_dense``. 
 
 Streamed gradients: across workers on the ring, a weight gradient larger than a ring piece
 that is one ``MatMul(x, dy, transpose_a=True)`` (a dense layer's kernel) is computed in
-blocks of rows, each a piece all-reduced as soon as it is computed (``_stream``), instead of
+blocks of rows, each a piece all-reduced as soon as it is computed (grad_stream.py), instead of
 waiting for the whole product: on a link-bound model the sync starts while backprop still
-writes the gradient (bench/cluster.py's comm model at 1 Gbit/s: step / max(compute, ring
-bound) 1.20 -> see docs/benchmarks.md).
+writes the gradient.
 """
 import dataclasses
 from typing import Dict, List, Tuple
@@ -31,11 +30,10 @@ from typing import Dict, List, Tuple
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl import _tf_compat as compat
-from epl import collectives
 from epl.collectives import by_worker
 from epl.errors import NotImplementedYetError, PlanError
 from epl.passes.clone import rewire
+from epl.passes.grad_stream import stream, streamable
 from epl.passes.zero import assign_owners
 
 
@@ -226,86 +224,15 @@ def _reduce(ctx, items, report):
       continue
     group = sorted(group, key=lambda item: ready[_parts(item.grad)[0].op])
     if owner < 0:
-      streamed = [item for item in group if _streamable(ctx, tg, part, item)]
+      streamed = [item for item in group if streamable(ctx, tg, part, item)]
       for item in streamed:
-        _stream(ctx, tg, part, item, report)
+        _rewire_all(ctx.clones(), item, stream(ctx, tg, part, item, report.collective_ops))
+        report.buckets.append([item.variable])
+        report.streamed.append(item.variable)
       group = [item for item in group if item not in streamed]
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
-
-
-def _product(grad):
-  """The MatMul(x, dy, transpose_a=True) that computes ``grad`` (directly or through the
-  Identity of ``tf.gradients``' gating tuple) and that only feeds it, or None."""
-  op = grad.op
-  if op.type == "Identity" and op.inputs[0].op.type == "MatMul":
-    if op.inputs[0].consumers() != [op]:
-      return None
-    op = op.inputs[0].op
-  if (op.type != "MatMul" or not op.get_attr("transpose_a") or op.get_attr("transpose_b")
-      or op.inputs[0].shape.rank != 2):
-    return None
-  return op
-
-
-def _streamable(ctx, tg, part, item):
-  """Whether ``item`` is streamed (the module docstring): across workers on the ring, larger
-  than a piece, and in every copy one MatMul(x, dy, transpose_a=True) whose result only the
-  update reads (a micro-batch sum, a row weight or a cast in between: not streamed)."""
-  plan = ctx.plan
-  if (ctx.collectives.hint != "ring" or isinstance(item.grad, tf.IndexedSlices)
-      or item.size is None or item.grad.shape.rank != 2
-      or item.size * item.grad.dtype.size <= collectives.PIECE_BYTES
-      or len(by_worker(plan.group_of(tg, part), plan.clients_of(tg, part))) < 2):
-    return False
-  clones = ctx.clones()
-  for c, grad in zip(item.copies, item.per_copy):
-    users = {clones.op(c, u) for u in item.readers[item.grad]}
-    if _product(grad) is None or not set(grad.consumers()) <= users:
-      return False
-  return True
-
-
-def _stream(ctx, tg, part, item, report):
-  """The gradient in blocks of rows, one all-reduce each, the blocks concatenated back for
-  its readers: block j = MatMul(x[:, rows j], dy, transpose_a=True); block j's all-reduce
-  starts once block j - PIECES_IN_FLIGHT's is done (the blocks' compute does not wait). The
-  whole product is no longer computed: ``tf.gradients``' gate (the other gradients of its
-  op wait for it) lets go of it."""
-  worker, plan = ctx.worker, ctx.plan
-  comm = plan.communication
-  devices = [worker.device_of(c, tg, part) for c in item.copies]
-  rows, cols = item.grad.shape.as_list()
-  per = max(1, collectives.PIECE_BYTES // (cols * item.grad.dtype.size))
-  edges = list(range(0, rows, per)) + [rows]
-  products = [_product(grad) for grad in item.per_copy]
-  blocks = []                          # [block][copy]
-  for lo, hi in zip(edges, edges[1:]):
-    block = []
-    for product, device in zip(products, devices):
-      x, dy = product.inputs[0], product.inputs[1]
-      with tf.device(device):
-        block.append(tf.matmul(x[:, lo:hi], dy, transpose_a=True))
-    blocks.append(block)
-  compress = comm.fp16_scale if comm.fp16 and item.grad.dtype == tf.float32 else None
-  reduced, k = [], collectives.PIECES_IN_FLIGHT
-  for j, block in enumerate(blocks):
-    with tf.control_dependencies(reduced[j - k] if j >= k else []):
-      reduced.append(ctx.collectives.all_reduce(
-          block, devices, comm.reduce_method, group=plan.group_of(tg, part),
-          clients=plan.clients_of(tg, part), fp16_scale=compress))
-    report.collective_ops.extend(r.op for r in reduced[-1])
-  news = []
-  for c, device in enumerate(devices):
-    with tf.device(device):
-      news.append(tf.concat([r[c] for r in reduced], axis=0))
-  _rewire_all(ctx.clones(), item, news)
-  for product in products:
-    for gate in compat.control_outputs(product):
-      compat.replace_control_inputs(gate, {product: None})
-  report.buckets.append([item.variable])
-  report.streamed.append(item.variable)
 
 
 def _readiness(graph):
