@@ -47,6 +47,18 @@ PIECE_BYTES = 2 << 20
 PIECES_IN_FLIGHT = 4
 
 
+def in_flight(count, build):
+  """``[build(j) for j in range(count)]``, the ops of ``build(j)`` waiting for the result (a
+  tensor or a list of them) of ``build(j - PIECES_IN_FLIGHT)``: at most that many on the wire
+  at a time."""
+  out = []
+  for j in range(count):
+    waits = out[j - PIECES_IN_FLIGHT] if j >= PIECES_IN_FLIGHT else []
+    with tf.control_dependencies(waits if isinstance(waits, list) else [waits]):
+      out.append(build(j))
+  return out
+
+
 def by_worker(group, clients=None):
   """[(worker, the devices it builds, in group order)], workers in group order.
 
@@ -218,11 +230,7 @@ class Collectives:
     per = PIECE_BYTES // width
     sizes = [per] * (size // per) + ([size % per] if size % per else [])
     pieces = tf.split(tf.reshape(tensor, [-1]), sizes)
-    summed = []
-    for j, p in enumerate(pieces):
-      waits = j >= PIECES_IN_FLIGHT
-      with tf.control_dependencies([summed[j - PIECES_IN_FLIGHT]] if waits else []):
-        summed.append(collective(p, self._instance()))
+    summed = in_flight(len(pieces), lambda j: collective(pieces[j], self._instance()))
     return tf.reshape(tf.concat(summed, axis=0), tensor.shape)
 
   # ---- reduce-scatter across workers ---------------------------------------------------

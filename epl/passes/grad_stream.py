@@ -50,9 +50,10 @@ def streamable(ctx, tg, part, item):
 
 
 def stream(ctx, tg, part, item, collective_ops):
-  """Each copy's all-reduced gradient, in blocks of rows, one all-reduce each (appended to
-  ``collective_ops``), concatenated back (for grad_sync to rewire its readers to): block j = MatMul(x[:, rows j], dy, transpose_a=True); block j's all-reduce
-  starts once block j - PIECES_IN_FLIGHT's is done (the blocks' compute does not wait). The
+  """Each copy's all-reduced gradient (for grad_sync to rewire its readers to), in blocks of
+  rows, one all-reduce each (appended to ``collective_ops``), concatenated back: block j =
+  MatMul(x[:, rows j], dy, transpose_a=True); its all-reduce starts once block j -
+  PIECES_IN_FLIGHT's is done (collectives.in_flight; the blocks' compute does not wait). The
   whole product is no longer computed: ``tf.gradients``' gate (the other gradients of its
   op wait for it) lets go of it."""
   worker, plan = ctx.worker, ctx.plan
@@ -71,13 +72,10 @@ def stream(ctx, tg, part, item, collective_ops):
         block.append(tf.matmul(x[:, lo:hi], dy, transpose_a=True))
     blocks.append(block)
   compress = comm.fp16_scale if comm.fp16 and item.grad.dtype == tf.float32 else None
-  reduced, k = [], collectives.PIECES_IN_FLIGHT
-  for j, block in enumerate(blocks):
-    with tf.control_dependencies(reduced[j - k] if j >= k else []):
-      reduced.append(ctx.collectives.all_reduce(
-          block, devices, comm.reduce_method, group=plan.group_of(tg, part),
-          clients=plan.clients_of(tg, part), fp16_scale=compress))
-    collective_ops.extend(r.op for r in reduced[-1])
+  reduced = collectives.in_flight(len(blocks), lambda j: ctx.collectives.all_reduce(
+      blocks[j], devices, comm.reduce_method, group=plan.group_of(tg, part),
+      clients=plan.clients_of(tg, part), fp16_scale=compress))
+  collective_ops.extend(r.op for block in reduced for r in block)
   news = []
   for c, device in enumerate(devices):
     with tf.device(device):
