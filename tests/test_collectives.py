@@ -94,7 +94,7 @@ def _pieces(count, dtype):
 ])
 def test_a_large_tensor_crosses_the_ring_in_pieces(on_gpu, dtype, sizes):
   """Across workers on the ring a tensor over PIECE_BYTES is all-reduced in pieces of at most
-  that size, each its own collective instance, concatenated back to the tensor's shape."""
+  that size, each its own collective instance, assembled back to the tensor's shape."""
   coll = Collectives(on_gpu=on_gpu)
   kind = "GPU" if on_gpu else "CPU"
   group = tuple("/job:worker/replica:0/task:%d/device:%s:0" % (w, kind) for w in range(2))
@@ -112,3 +112,33 @@ def test_a_large_tensor_crosses_the_ring_in_pieces(on_gpu, dtype, sizes):
            | {c.name for i in op.inputs for c in i.op.control_inputs} for op in reduces]
   assert waits == [{reduces[j - k].name} if j >= k else set() for j in range(len(reduces))]
   assert out.shape == x.shape and out.dtype == dtype
+
+
+@pytest.mark.parametrize("shape,rows,cuts,dtype,in_place", [
+    ([10, 6], True, [3, 3, 3, 1], tf.float32, True),    # row blocks, the last one shorter
+    ([13, 5], True, [1, 12], tf.float32, True),         # rows of 5: 12 of them, in place
+    ([40], False, [16, 16, 8], tf.float16, True),       # flat pieces: rows of 8 elements
+    ([7, 3], False, [7, 7, 7], tf.float64, True),       # flat pieces of 7: a row each
+    ([131], False, [65, 66], tf.float32, False),        # no common width: 66 rows, concat
+])
+def test_assemble_copies_each_part_into_one_buffer(shape, rows, cuts, dtype, in_place):
+  """``assemble`` rebuilds the tensor from its consecutive parts (row blocks of it, or
+  flat pieces), each part written into one buffer by its own InplaceUpdate (no concat
+  after the last part), or concatenated when a part would take over 64 rows."""
+  value = np.arange(np.prod(shape)).reshape(shape).astype(dtype.as_numpy_dtype)
+  g = tf.Graph()
+  with g.as_default():
+    whole = tf.constant(value)
+    edges = np.cumsum([0] + cuts)
+    if rows:
+      parts = [whole[lo:hi] for lo, hi in zip(edges, edges[1:])]
+    else:
+      parts = [tf.reshape(whole, [-1])[lo:hi] for lo, hi in zip(edges, edges[1:])]
+    out = collectives.assemble(parts, shape)
+    types = [op.type for op in g.get_operations()]
+    with tf.Session() as sess:
+      got = sess.run(out)
+  assert got.dtype == value.dtype and got.shape == tuple(shape)
+  np.testing.assert_array_equal(got, value)
+  assert types.count("InplaceUpdate") == (len(cuts) if in_place else 0), types
+  assert ("ConcatV2" in types) == (not in_place), types

@@ -51,7 +51,8 @@ def streamable(ctx, tg, part, item):
 
 def stream(ctx, tg, part, item, collective_ops):
   """Each copy's all-reduced gradient (for grad_sync to rewire its readers to), in blocks of
-  rows, one all-reduce each (appended to ``collective_ops``), concatenated back: block j =
+  rows, one all-reduce each (appended to ``collective_ops``), assembled back as they arrive
+  (collectives.assemble): block j =
   MatMul(x[:, rows j], dy, transpose_a=True); its all-reduce starts once block j -
   PIECES_IN_FLIGHT's is done (collectives.in_flight; the blocks' compute does not wait). The
   whole product is no longer computed: ``tf.gradients``' gate (the other gradients of its
@@ -79,7 +80,7 @@ def stream(ctx, tg, part, item, collective_ops):
   news = []
   for c, device in enumerate(devices):
     with tf.device(device):
-      news.append(tf.concat([r[c] for r in reduced], axis=0))
+      news.append(collectives.assemble([r[c] for r in reduced], item.grad.shape))
   for product in products:
     for gate in compat.control_outputs(product):
       compat.replace_control_inputs(gate, {product: None})
