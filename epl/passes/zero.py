@@ -320,7 +320,8 @@ def _partition_across(ctx, owners, updates, partitioned, colocated, local):
   the weights it owns in one broadcast per (TaskGraph, dtype); the other workers' copies
   read the received values and run no update of them (they wait for the gradients'
   reduce-scatter instead, which brings the owner its sum). No worker reads another's
-  variable inside a step: only initialisation, restore and the chief's save touch it."""
+  variable inside a step: only initialisation, restore, the chief's save and the user's
+  reads between steps touch it -- which is why a step ends job-wide (``_step_end``)."""
   graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
   get = graph.get_operation_by_name
   job = plan.copies
@@ -336,13 +337,48 @@ def _partition_across(ctx, owners, updates, partitioned, colocated, local):
     buckets.setdefault((tg, dtype.name, job[k].client), []).append(name)
     if here:
       _rewire_reads(ctx, var, lambda read: read.outputs[0])
+  ends = {}              # TaskGraph -> (what this worker's step ends with, what waits for it)
   for key in sorted(buckets):
-    _gather_bucket(ctx, key, sorted(buckets[key]), updates, exchanged)
+    ran, waiters = _gather_bucket(ctx, key, sorted(buckets[key]), updates, exchanged)
+    end = ends.setdefault(key[0], (set(), set()))
+    end[0].update(ran)
+    end[1].update(waiters)
+  for tg in sorted(ends):
+    _step_end(ctx, tg, *ends[tg])
+
+
+def _step_end(ctx, tg, ran, waiters):
+  """v2 across workers: what waited for this worker's updates (the optimizer's finish,
+  hence the train op) also waits for one scalar all-reduce among the workers that each
+  worker joins once its own updates ran. A weight lives on its owner's task only and the
+  other workers read it there: without this, a worker's step returned once the gradients
+  were exchanged, and a read right after it (an evaluation, the chief's checkpoint save)
+  raced the owner's update still running -- and got the step before's weights
+  (tests/test_multiworker.py, the read-after-a-step case). Costs one round trip a step."""
+  graph = ctx.graph
+  group, me = ctx.worker.client_group(tg)
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.device(group[me]), tf.name_scope("epl_zero/step_end"):
+    with tf.control_dependencies(sorted(ran, key=compat.op_id)):
+      token = tf.zeros([1])
+    end = ctx.collectives.all_reduce([token], [group[me]], "sum", group=group,
+                                     clients=list(ctx.plan.clients))[0]
+  upstream, todo = set(), list(ran)         # what the end waits for cannot wait for it
+  while todo:
+    op = todo.pop()
+    if op not in upstream:
+      upstream.add(op)
+      todo.extend(t.op for t in op.inputs)
+      todo.extend(op.control_inputs)
+  for waiter in sorted(waiters - upstream, key=compat.op_id):
+    compat.add_control_inputs(waiter, [end.op])
 
 
 def _gather_bucket(ctx, key, names, updates, exchanged):
   """v2 across workers: one owner worker's weights (of one TaskGraph and dtype) broadcast
-  at the start of the step; elsewhere they replace every read of them."""
+  at the start of the step; elsewhere they replace every read of them. Returns (what
+  this worker ran for them in the step: its updates of them or the exchange it waits
+  for instead, the ops that waited for their updates)."""
   graph, worker = ctx.graph, ctx.worker
   get = graph.get_operation_by_name
   tg, dtype_name, sender = key
@@ -357,17 +393,19 @@ def _gather_bucket(ctx, key, names, updates, exchanged):
       with tf.device(group[me]):
         flat = tf.concat(reads, axis=0) if len(reads) > 1 else reads[0]
       sent = ctx.collectives.broadcast(flat, group[me], group, root)
-      for v in names:            # the weights are sent as they were before this step's update
-        for op in updates[v]:
-          compat.add_control_inputs(op, [sent.op])
-      return
+      mine = [op for v in names for op in updates[v]]
+      for op in mine:            # the weights are sent as they were before this step's update
+        compat.add_control_inputs(op, [sent.op])
+      return mine, {w for op in mine for w in compat.control_outputs(op)}
     with tf.device(group[me]):
       received = ctx.collectives.broadcast(tf.zeros([sum(sizes)], dtype_name), group[me],
                                            group, root)
       pieces = tf.split(received, sizes) if len(names) > 1 else [received]
       values = {v: tf.reshape(p, s) for v, p, s in zip(names, pieces, shapes)}
   done = exchanged.get((tg, dtype_name), received.op)
+  waiters = {w for v in names for op in updates[v] for w in compat.control_outputs(op)}
   for v in names:
     _rewire_reads(ctx, get(v), lambda read, v=v: values[v], skip_first=False)
     for op in updates[v]:                         # this worker runs no update of them
       _replace_update(v, [op], done)
+  return [done], waiters

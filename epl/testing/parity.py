@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.testing.values import read_values
+from epl.testing.values import load_values, read_values
 
 
 @dataclasses.dataclass
@@ -24,6 +24,7 @@ class ParityResult:
   initial: Dict[str, np.ndarray]
   graph: tf.Graph = None
   parallel: object = None
+  steps: List[Dict[str, np.ndarray]] = None     # every variable after each step (every_step)
 
 
 class Stages:
@@ -50,7 +51,7 @@ def _make_optimizer(name, lr):
 
 def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimizer="momentum",
               lr=0.01, initial=None, seed=7, feed=False, default_strategy=None,
-              fetch_loss=True):
+              fetch_loss=True, every_step=False):
   """Builds and trains ``model_fn`` once; epl is used when ``config`` is given.
 
   Args:
@@ -62,6 +63,8 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     initial: {var name: value} loaded after initialisation.
     fetch_loss: False runs only ``train_op`` each step (no loss recorded), as scripts that
       log every N steps do.
+    every_step: read every variable right after each step (``ParityResult.steps``), as a
+      script that evaluates or saves between steps does.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -88,14 +91,10 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     with tf.Session() as sess:
       sess.run(init)
       if initial:
-        # one run per variable: loading them all in one run made the ZeRO v2 2x2 parity case
-        # (tests/test_multiworker.py) end with other final weights in 2 of 13 runs (0 of 16
-        # one at a time) -- an ordering among the workers' loads not understood yet
-        for v in variables:
-          if v.op.name in initial:
-            v.load(initial[v.op.name], sess)
+        load_values(sess, [v for v in variables if v.op.name in initial],
+                    lambda v: initial[v.op.name])
       start = read_values(sess, variables)
-      losses = []
+      losses, trajectory = [], [] if every_step else None
       for step in range(steps):
         if feed:
           lo = step * batch % len(features)
@@ -104,12 +103,14 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
           fd = None
         if not fetch_loss:
           sess.run(train_op, fd)
-          continue
-        value, _ = sess.run([loss, train_op], fd)
-        losses.append(float(value))
+        else:
+          value, _ = sess.run([loss, train_op], fd)
+          losses.append(float(value))
+        if every_step:
+          trajectory.append(read_values(sess, variables))
       final = read_values(sess, variables)
       parallel = epl.Graph.get() if config is not None else None
-  return ParityResult(losses, final, start, graph, parallel)
+  return ParityResult(losses, final, start, graph, parallel, trajectory)
 
 
 def assert_parity(model_fn, config, copies, batch=4, steps=5, rtol=1e-5, data=None,

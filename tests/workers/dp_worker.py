@@ -6,6 +6,8 @@ worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final 
 COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices.
 TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (default
 epl.collectives.PIECE_BYTES, 2 MiB: the test models' gradients are smaller).
+TEST_EVERY_STEP=1: also read every variable right after each step and save them as
+``__step<k>__/<variable>``.
 """
 import os
 import sys
@@ -53,7 +55,8 @@ def main():
                  here // per * config.pipeline.num_micro_batch, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config, initial=initial,
                   strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
-                              for i, k in enumerate(counts)])
+                              for i, k in enumerate(counts)],
+                  every_step=bool(os.environ.get("TEST_EVERY_STEP")))
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
   owners = sorted((zero.owners if zero is not None else {}).values())
   # bytes of the user's trained variables placed on this worker's task (ZeRO v2: its share)
@@ -75,7 +78,9 @@ def main():
            __streamed__=np.array(sync.streamed if sync is not None else [], dtype=str),
            __reduce_groups__=np.array([op.inputs[2].op.get_attr("value").int_val[0]
                                        for op in reduces]),
-           **res.variables)
+           **res.variables,
+           **{"__step%d__/%s" % (k, name): value for k, values in enumerate(res.steps or [])
+              for name, value in values.items()})
   print("worker %d done: losses %s" % (cluster.worker_index, res.losses))
 
 
