@@ -49,15 +49,17 @@ PIECE_BYTES = 2 << 20
 PIECES_IN_FLIGHT = 4
 
 
-def in_flight(count, build):
+def in_flight(count, build, before=()):
   """``[build(j) for j in range(count)]``, the ops of ``build(j)`` waiting for the result (a
   tensor or a list of them) of ``build(j - PIECES_IN_FLIGHT)``: at most that many on the wire
-  at a time."""
-  out = []
+  at a time; ``before``: the results of earlier pieces in the same sequence."""
+  seq, out = list(before), []
   for j in range(count):
-    waits = out[j - PIECES_IN_FLIGHT] if j >= PIECES_IN_FLIGHT else []
+    at = len(seq)
+    waits = seq[at - PIECES_IN_FLIGHT] if at >= PIECES_IN_FLIGHT else []
     with tf.control_dependencies(waits if isinstance(waits, list) else [waits]):
       out.append(build(j))
+    seq.append(out[-1])
   return out
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.slots import owner_of, written
+from epl.passes.slots import ancestors, owner_of, written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +48,6 @@ def _balance(sizes, g):
   return [sorted(grp) for grp in groups if grp]
 
 
-def _ancestors(ops, members):
-  """Every op of ``members`` that ``ops`` depend on (data or control), ``ops`` included."""
-  seen, work = set(), list(ops)
-  while work:
-    op = work.pop()
-    if op in seen or op not in members:
-      continue
-    seen.add(op)
-    work.extend(t.op for t in op.inputs)
-    work.extend(op.control_inputs)
-  return seen
-
-
 def apply_groups(ctx):
   """Runs the pass; see the module docstring."""
   g = ctx.plan.memory.num_apply_group
@@ -87,7 +74,7 @@ def apply_groups(ctx):
     if len(groups) < 2:
       plan_groups.append(tuple(tuple(grp) for grp in groups))
       continue
-    reach = [_ancestors([w for v in grp for w in writes[v]], members) for grp in groups]
+    reach = [ancestors([w for v in grp for w in writes[v]], members) for grp in groups]
     units = []
     for k, ops in enumerate(reach):
       others = set().union(*(r for j, r in enumerate(reach) if j != k))

@@ -49,12 +49,16 @@ def streamable(ctx, tg, part, item):
   return True
 
 
-def stream(ctx, tg, part, item, collective_ops):
+def stream(ctx, tg, part, item, collective_ops, chain):
   """Each copy's all-reduced gradient (for grad_sync to rewire its readers to), in blocks of
   rows, one all-reduce each (appended to ``collective_ops``), assembled back as they arrive
   (collectives.assemble): block j =
-  MatMul(x[:, rows j], dy, transpose_a=True); its all-reduce starts once block j -
-  PIECES_IN_FLIGHT's is done (collectives.in_flight; the blocks' compute does not wait). The
+  MatMul(x[:, rows j], dy, transpose_a=True); its all-reduce starts once the block
+  PIECES_IN_FLIGHT before it in ``chain`` (the blocks of the gradients streamed before this
+  one, in the order backprop computes them; this one's are appended) is done
+  (collectives.in_flight; the blocks' compute does not wait): the comm model's two kernels
+  with 4 blocks in flight each (8 on the link) took 0.634-0.665 s a step, one limit of 4 for
+  both 0.613-0.649 s (bench/cluster.py, 5 runs each, interleaved). The
   whole product is no longer computed: ``tf.gradients``' gate (the other gradients of its
   op wait for it) lets go of it."""
   worker, plan = ctx.worker, ctx.plan
@@ -75,8 +79,9 @@ def stream(ctx, tg, part, item, collective_ops):
   compress = comm.fp16_scale if comm.fp16 and item.grad.dtype == tf.float32 else None
   reduced = collectives.in_flight(len(blocks), lambda j: ctx.collectives.all_reduce(
       blocks[j], devices, comm.reduce_method, group=plan.group_of(tg, part),
-      clients=plan.clients_of(tg, part), fp16_scale=compress))
+      clients=plan.clients_of(tg, part), fp16_scale=compress), chain)
   collective_ops.extend(r.op for block in reduced for r in block)
+  chain.extend(reduced)
   news = []
   for c, device in enumerate(devices):
     with tf.device(device):

@@ -225,8 +225,9 @@ def _reduce(ctx, items, report):
     group = sorted(group, key=lambda item: ready[_parts(item.grad)[0].op])
     if owner < 0:
       streamed = [item for item in group if streamable(ctx, tg, part, item)]
+      chain = []                       # their blocks in readiness order share one limit
       for item in streamed:
-        _rewire_all(ctx.clones(), item, stream(ctx, tg, part, item, report.collective_ops))
+        _rewire_all(ctx.clones(), item, stream(ctx, tg, part, item, report.collective_ops, chain))
         report.buckets.append([item.variable])
         report.streamed.append(item.variable)
       group = [item for item in group if item not in streamed]

@@ -1,6 +1,6 @@
-"""Which variable an optimizer's op writes, and which trained variable a slot belongs to --
-shared by the passes that treat a variable and its optimizer state as one unit (grouped
-apply, ZeRO)."""
+"""Which variable an optimizer's op writes, which trained variable a slot belongs to, and
+what an update depends on -- shared by the passes that treat a variable and its optimizer
+state as one unit (grouped apply, ZeRO)."""
 from epl.op_tables import VARIABLE_OPS, mutates
 
 
@@ -33,3 +33,17 @@ def slots(variable_names, trained):
     if owner is not None and owner != name:
       out[name] = owner
   return out
+
+
+def ancestors(ops, members=None):
+  """Every op (of ``members``, default any) that ``ops`` depend on, by data or control
+  edges through such ops, ``ops`` included."""
+  seen, work = set(), list(ops)
+  while work:
+    op = work.pop()
+    if op in seen or (members is not None and op not in members):
+      continue
+    seen.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return seen

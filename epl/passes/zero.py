@@ -4,7 +4,8 @@
 Expects: the replicate clones (the copies' variables; ``replicate`` leaves the slots out of
 the replica sync), the synchronised gradients (``gradient_sync``) and the plan's apply phase.
 For each TaskGraph, its trained variables are given owners among the worker's copies,
-balanced by size within the TaskGraph (largest first, each to the lightest copy). For a variable v owned by copy j:
+balanced by size within the TaskGraph (largest first, each to the lightest copy). For a
+variable v owned by copy j:
 
 * v's optimizer slots (``<v>/Momentum``, Adam's ``m`` / ``v``, a hand-written ``<v>/adam_m``)
   exist once: the user's slot variables, placed on copy j's device. Copy j's update reads and
@@ -23,9 +24,9 @@ micro-batch reads the weight through copy 0's read of it, so TF sends the weight
 that uses it in the step (gathered just in time) and no device holds another's weights between
 steps. The other copies' variable clones are never initialised, and their updates never run
 (what waited for them waits for the one update). Checkpoints are the local script's.
-Across workers the owner's worker broadcasts the weights it owns at the start of each step;
-the other workers' copies read the received values (``_partition_across``).
-Returns ``Zero``.
+Across workers the owner's worker broadcasts the weights it owns at the start of each step,
+the other workers' copies read the received values, and a step ends once every worker's
+updates ran (``_partition_across``). Returns ``Zero``.
 """
 import dataclasses
 from typing import Dict, Tuple
@@ -36,7 +37,7 @@ import tensorflow.compat.v1 as tf
 from epl import _tf_compat as compat
 from epl.errors import NotImplementedYetError
 from epl.op_tables import VARIABLE_OPS
-from epl.passes.slots import owner_of, slots, written
+from epl.passes.slots import ancestors, owner_of, slots, written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +321,7 @@ def _partition_across(ctx, owners, updates, partitioned, colocated, local):
   the weights it owns in one broadcast per (TaskGraph, dtype); the other workers' copies
   read the received values and run no update of them (they wait for the gradients'
   reduce-scatter instead, which brings the owner its sum). No worker reads another's
-  variable inside a step: only initialisation, restore, the chief's save and the user's
-  reads between steps touch it -- which is why a step ends job-wide (``_step_end``)."""
+  variable inside a step; the user's reads between steps do (``_step_end``)."""
   graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
   get = graph.get_operation_by_name
   job = plan.copies
@@ -348,37 +348,26 @@ def _partition_across(ctx, owners, updates, partitioned, colocated, local):
 
 
 def _step_end(ctx, tg, ran, waiters):
-  """v2 across workers: what waited for this worker's updates (the optimizer's finish,
-  hence the train op) also waits for one scalar all-reduce among the workers that each
-  worker joins once its own updates ran. A weight lives on its owner's task only and the
-  other workers read it there: without this, a worker's step returned once the gradients
-  were exchanged, and a read right after it (an evaluation, the chief's checkpoint save)
-  raced the owner's update still running -- and got the step before's weights
-  (tests/test_multiworker.py, the read-after-a-step case). Costs one round trip a step."""
-  graph = ctx.graph
+  """v2 across workers: what waited for this worker's updates (the optimizer's finish, so
+  the train op) also waits for a scalar all-reduce among the workers that each joins once
+  its updates ran (one round trip a step). Without it a worker's step ended once the
+  gradients were exchanged, and a read right after it (an evaluation, the chief's save) of
+  a weight another worker owns raced its update and got the step before's value."""
   group, me = ctx.worker.client_group(tg)
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.device(group[me]), tf.name_scope("epl_zero/step_end"):
     with tf.control_dependencies(sorted(ran, key=compat.op_id)):
       token = tf.zeros([1])
     end = ctx.collectives.all_reduce([token], [group[me]], "sum", group=group,
                                      clients=list(ctx.plan.clients))[0]
-  upstream, todo = set(), list(ran)         # what the end waits for cannot wait for it
-  while todo:
-    op = todo.pop()
-    if op not in upstream:
-      upstream.add(op)
-      todo.extend(t.op for t in op.inputs)
-      todo.extend(op.control_inputs)
-  for waiter in sorted(waiters - upstream, key=compat.op_id):
+  for waiter in sorted(waiters - ancestors(ran), key=compat.op_id):  # no cycle
     compat.add_control_inputs(waiter, [end.op])
 
 
 def _gather_bucket(ctx, key, names, updates, exchanged):
   """v2 across workers: one owner worker's weights (of one TaskGraph and dtype) broadcast
-  at the start of the step; elsewhere they replace every read of them. Returns (what
-  this worker ran for them in the step: its updates of them or the exchange it waits
-  for instead, the ops that waited for their updates)."""
+  at the start of the step; elsewhere they replace every read of them. Returns (this
+  worker's updates of them or the exchange it waits for instead, what waited for them)."""
   graph, worker = ctx.graph, ctx.worker
   get = graph.get_operation_by_name
   tg, dtype_name, sender = key
