@@ -1,6 +1,7 @@
 """Soak: train for a long time the way real jobs do; watch liveness, steps, threads and memory.
 
-  python bench/soak.py [--alone] [--seconds 600] [--cases dp2x1,dp2x2,pipe2x1,zero2x1,local1x2]
+  python bench/soak.py [--alone] [--seconds 600]
+                       [--cases dp2x1,dp2x2,pipe2x1,zero2x1,zerov2x1,local1x2]
                        [--interval 10] [--checkpoint-secs 30] [--eval-every 500] [--json]
   python bench/soak.py --cases restart2x1 --target-steps 100000
                        [--kill-every 120 | --kill-at-steps 20000,40000]
@@ -11,6 +12,7 @@ epl-launch starts it):
   dp2x2     data parallelism, 2 workers x 2 devices
   pipe2x1   a 2-stage pipeline across 2 workers (a stage per worker), 4 micro-batches
   zero2x1   ZeRO v1 across 2 workers x 1 device
+  zerov2x1  ZeRO v2 across 2 workers x 1 device (each weight on its owner's worker only)
   local1x2  data parallelism over 2 devices of one process
   restart2x1  data parallelism, 2 workers x 1 device, started by ``epl-launch --max_restarts
             6 --restart_window`` 5 x ``--kill-every`` (600 s); ``--kill-every`` seconds (120)
@@ -58,6 +60,7 @@ CASES = {                   # name: (workers, devices per worker, epl config)
     "dp2x2": (2, 2, {}),
     "pipe2x1": (2, 1, {"pipeline.num_micro_batch": 4}),
     "zero2x1": (2, 1, {"zero.level": "v1"}),
+    "zerov2x1": (2, 1, {"zero.level": "v2"}),
     "local1x2": (1, 2, {}),
     "restart2x1": (2, 1, {}),      # started by epl-launch --max_restarts (drive_restarts)
 }

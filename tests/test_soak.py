@@ -1,7 +1,7 @@
 """Soak (bench/soak.py --alone): every case alone on the machine at full speed, briefly.
 
 Cases: data parallelism on 2 workers x 1 and x 2 devices, a 2-stage pipeline across 2 workers
-with 4 micro-batches, ZeRO v1 across 2 workers, and 2 devices in one process. Each script
+with 4 micro-batches, ZeRO v1 and v2 across 2 workers, and 2 devices in one process. Each script
 trains as real jobs do: checkpoints by the chief, summaries, evaluation passes and a GAN-style
 pair of train ops in alternate steps. The cases run one after another, so the step rate is the
 one users see (TF's duplicate-request rejection depends on it). docs/benchmarks.md records the
@@ -28,7 +28,8 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
   report = json.loads(lines[-1])
   assert sorted(report) == sorted([
       "dp2x1/worker0", "dp2x1/worker1", "dp2x2/worker0", "dp2x2/worker1", "pipe2x1/worker0",
-      "pipe2x1/worker1", "zero2x1/worker0", "zero2x1/worker1", "local1x2/worker0"])
+      "pipe2x1/worker1", "zero2x1/worker0", "zero2x1/worker1", "zerov2x1/worker0",
+      "zerov2x1/worker1", "local1x2/worker0"])
   failed = ["%s:\n%s\nlast samples: %s" % (name, "\n".join(r["problems"]), r["samples"][-3:])
             for name, r in report.items() if r["problems"]]
   if failed:                # in full, every worker (pytest shortens a long assertion message)

@@ -26,7 +26,7 @@ steps. The other copies' variable clones are never initialised, and their update
 (what waited for them waits for the one update). Checkpoints are the local script's.
 Across workers the owner's worker broadcasts the weights it owns at the start of each step,
 the other workers' copies read the received values, and a step ends once every worker's
-updates ran (``_partition_across``). Returns ``Zero``.
+updates ran (zero_v2.py). Returns ``Zero``.
 """
 import dataclasses
 from typing import Dict, Tuple
@@ -35,9 +35,10 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.errors import NotImplementedYetError
 from epl.op_tables import VARIABLE_OPS
-from epl.passes.slots import ancestors, owner_of, slots, written
+from epl.passes.slots import owner_of, slots, written
+from epl.passes.zero_v2 import (CHECKPOINT_OPS, bucket, partition_across, partition_weights,
+                                read_var, replace_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,19 +53,10 @@ class Zero:
         ", weights too" if self.level == "v2" else "")
 
 
-_CHECKPOINT_OPS = ("Save", "Restore", "MergeV2Checkpoints")
-
-
 def _size(var_op):
   shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
       tf.TensorShape(var_op.get_attr("shape"))
   return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
-
-
-def _read(var_op):
-  if var_op.type == "VarHandleOp":
-    return tf.raw_ops.ReadVariableOp(resource=var_op.outputs[0], dtype=var_op.get_attr("dtype"))
-  return tf.identity(var_op.outputs[0])
 
 
 def _assign(var_op, value):
@@ -132,9 +124,9 @@ def zero(ctx):
       colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
   if level == "v2":
     if len(plan.clients) > 1:
-      _partition_across(ctx, owners, updates, partitioned, colocated, local)
+      partition_across(ctx, owners, updates, partitioned, colocated, local)
     else:
-      _partition_weights(ctx, owners, updates, partitioned, colocated)
+      partition_weights(ctx, owners, updates, partitioned, colocated)
     return Zero(owners, tuple(sorted(partitioned)), level)
   buckets = {}                    # (TaskGraph, dtype, owner worker) -> variables
   for name, k in owners.items():
@@ -158,7 +150,7 @@ def zero(ctx):
       # there: every worker's graph then names the one slot (TF finds it by name on that
       # task), so the chief's checkpoint saves, and every restore sets, the owner's state
       for op in [user] + [c for c in user.outputs[0].consumers()] + colocated.get(slot, []):
-        if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
+        if not op.type.startswith(CHECKPOINT_OPS):     # the Saver's ops stay on the host
           compat.set_device(op, device)
       if j:                                      # the owner's ops use the user's slot
         clone = mirrored[slot][j]
@@ -179,41 +171,11 @@ def zero(ctx):
       var_c = clones.op(c, get(name))
       with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
           tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
-        copied = _assign(var_c, _read(owner_var))
-      _replace_update(name, [clones.op(c, op) for op in updates[name]], copied)
+        copied = _assign(var_c, read_var(owner_var))
+      replace_update(name, [clones.op(c, op) for op in updates[name]], copied)
   for key in sorted(buckets):
     _broadcast_bucket(ctx, key, sorted(buckets[key]), owners, local, updates)
   return Zero(owners, tuple(sorted(partitioned)), level)
-
-
-def _replace_update(name, mine, instead):
-  """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``."""
-  for op in mine:
-    if op is None:
-      continue
-    for t in op.outputs:
-      if t.consumers():
-        raise NotImplementedYetError(
-            "zero.level: the update %s of %s has a data output that %s reads; only "
-            "updates that other ops wait for (control dependencies) are supported" % (
-                op.name, name, t.consumers()[0].name))
-    for waiter in list(compat.control_outputs(op)):
-      compat.replace_control_inputs(waiter, {op: instead})
-
-
-def _bucket(ctx, key, names):
-  """One owner worker's variables (``key``: TaskGraph, dtype, sender) as a broadcast sees
-  them: (group, my position, the root's position, shapes, sizes)."""
-  get = ctx.graph.get_operation_by_name
-  group, me = ctx.worker.client_group(key[0])
-  root = list(ctx.plan.clients).index(key[2])
-  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
-  if not all(s.is_fully_defined() for s in shapes):
-    raise NotImplementedYetError(
-        "zero.level %s across workers needs variables of static shape; %s has %s" % ((
-            ctx.plan.memory.zero,) + next((v, s) for v, s in zip(names, shapes)
-                                          if not s.is_fully_defined())))
-  return group, me, root, shapes, [s.num_elements() for s in shapes]
 
 
 def _broadcast_bucket(ctx, key, names, owners, local, updates):
@@ -222,7 +184,7 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
   graph, worker, clones = ctx.graph, ctx.worker, ctx.clones()
   get = graph.get_operation_by_name
   tg, _, sender = key
-  group, me, root, shapes, sizes = _bucket(ctx, key, names)
+  group, me, root, shapes, sizes = bucket(ctx, key, names)
   dtype = tf.as_dtype(get(names[0]).get_attr("dtype")).base_dtype
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.device(group[me]), tf.name_scope("epl_zero"):
@@ -230,7 +192,7 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
       owner_updates = [clones.op(local[owners[v]], op) for v in names for op in updates[v]]
       waiters = {w for u in owner_updates for w in compat.control_outputs(u)}
       with tf.control_dependencies(owner_updates):
-        flat = tf.concat([tf.reshape(_read(clones.op(local[owners[v]], get(v))), [-1])
+        flat = tf.concat([tf.reshape(read_var(clones.op(local[owners[v]], get(v))), [-1])
                           for v in names], axis=0)
       sent = ctx.collectives.broadcast(flat, group[me], group, root)
       for waiter in waiters:                     # the step sends them
@@ -254,147 +216,5 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
       with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
           tf.device(var_c.device), tf.name_scope("epl_zero"):
         copied = _assign(var_c, tf.reshape(piece, shape))
-      _replace_update(v, [clones.op(c, op) for op in updates[v]], copied)
+      replace_update(v, [clones.op(c, op) for op in updates[v]], copied)
 
-
-def _place_once(ctx, name, device, partitioned, colocated, updates):
-  """v2: the user's variable ``name``, its slots (with what TF keeps with them) and copy 0's
-  update of it on ``device``; the other copies' updates replaced by copy 0's."""
-  graph, clones = ctx.graph, ctx.clones()
-  get = graph.get_operation_by_name
-  members = [name] + sorted(s for s, v in partitioned.items() if v == name)
-  for member in members:
-    user = get(member)
-    for op in [user] + user.outputs[0].consumers():
-      if not op.type.startswith(_CHECKPOINT_OPS):     # the Saver's ops stay on the host
-        compat.set_device(op, device)
-    for op in colocated.get(member, []):
-      if op.name.startswith(tuple(m + "/" for m in members)):   # its initialiser, its slots'
-        compat.set_device(op, device)
-      elif op is not user and op not in user.outputs[0].consumers():
-        # bookkeeping TF put next to it (Adam's beta powers): stays with its copy
-        compat.drop_colocation(op, members)
-  for op in updates[name]:
-    compat.set_device(op, device)
-  for c in range(1, ctx.worker.num_copies):  # one update: the others' never run
-    for op in updates[name]:
-      mine = clones.op(c, op)
-      if mine is not None:
-        _replace_update(name, [mine], op)
-
-
-def _rewire_reads(ctx, var, value_of, skip_first=True):
-  """Every copy's and micro-batch's read of ``var`` (copy 0's own too unless ``skip_first``)
-  handed ``value_of(read)`` instead: its consumers and the ops that wait for it."""
-  clones = ctx.clones()
-  step = ctx.result("analyze").cloned_set
-  reads = [op for op in var.outputs[0].consumers()
-           if op in step and op.type in ("Identity", "ReadVariableOp")]
-  for read in reads:
-    real = value_of(read)
-    for c in range(ctx.worker.num_copies):
-      for m in range(ctx.plan.num_micro_batch):
-        clone = clones.op(c, read, m)
-        if clone is None or (clone is read and skip_first):
-          continue
-        for mine in clone.outputs:
-          for consumer in list(mine.consumers()):
-            for i, t in enumerate(consumer.inputs):
-              if t is mine:
-                compat.update_input(consumer, i, real)
-        for waiter in list(compat.control_outputs(clone)):   # the schedule's order
-          compat.replace_control_inputs(waiter, {clone: real.op})
-
-
-def _partition_weights(ctx, owners, updates, partitioned, colocated):
-  """v2: each trained variable, its slots and its update once, on the owner's device."""
-  get = ctx.graph.get_operation_by_name
-  for name, j in owners.items():
-    _place_once(ctx, name, ctx.clones().op(j, get(name)).device, partitioned, colocated,
-                updates)
-    _rewire_reads(ctx, get(name), lambda read: read.outputs[0])
-
-
-def _partition_across(ctx, owners, updates, partitioned, colocated, local):
-  """v2 across workers: each trained variable, its slots and its update exist once, on the
-  owner copy's device (its worker's task). At the start of a step each owner worker sends
-  the weights it owns in one broadcast per (TaskGraph, dtype); the other workers' copies
-  read the received values and run no update of them (they wait for the gradients'
-  reduce-scatter instead, which brings the owner its sum). No worker reads another's
-  variable inside a step; the user's reads between steps do (``_step_end``)."""
-  graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
-  get = graph.get_operation_by_name
-  job = plan.copies
-  exchanged = ctx.result("gradient_sync").exchanged
-  buckets = {}
-  for name, k in owners.items():
-    var = get(name)
-    tg = ctx.owner.get(var)
-    here = job[k].client == worker.index
-    device = ctx.clones().op(local[k], var).device if here else job[k].devices[tg][0]
-    _place_once(ctx, name, device, partitioned, colocated, updates)
-    dtype = tf.as_dtype(var.get_attr("dtype")).base_dtype
-    buckets.setdefault((tg, dtype.name, job[k].client), []).append(name)
-    if here:
-      _rewire_reads(ctx, var, lambda read: read.outputs[0])
-  ends = {}              # TaskGraph -> (what this worker's step ends with, what waits for it)
-  for key in sorted(buckets):
-    ran, waiters = _gather_bucket(ctx, key, sorted(buckets[key]), updates, exchanged)
-    end = ends.setdefault(key[0], (set(), set()))
-    end[0].update(ran)
-    end[1].update(waiters)
-  for tg in sorted(ends):
-    _step_end(ctx, tg, *ends[tg])
-
-
-def _step_end(ctx, tg, ran, waiters):
-  """v2 across workers: what waited for this worker's updates (the optimizer's finish, so
-  the train op) also waits for a scalar all-reduce among the workers that each joins once
-  its updates ran (one round trip a step). Without it a worker's step ended once the
-  gradients were exchanged, and a read right after it (an evaluation, the chief's save) of
-  a weight another worker owns raced its update and got the step before's value."""
-  group, me = ctx.worker.client_group(tg)
-  with ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
-      tf.device(group[me]), tf.name_scope("epl_zero/step_end"):
-    with tf.control_dependencies(sorted(ran, key=compat.op_id)):
-      token = tf.zeros([1])
-    end = ctx.collectives.all_reduce([token], [group[me]], "sum", group=group,
-                                     clients=list(ctx.plan.clients))[0]
-  for waiter in sorted(waiters - ancestors(ran), key=compat.op_id):  # no cycle
-    compat.add_control_inputs(waiter, [end.op])
-
-
-def _gather_bucket(ctx, key, names, updates, exchanged):
-  """v2 across workers: one owner worker's weights (of one TaskGraph and dtype) broadcast
-  at the start of the step; elsewhere they replace every read of them. Returns (this
-  worker's updates of them or the exchange it waits for instead, what waited for them)."""
-  graph, worker = ctx.graph, ctx.worker
-  get = graph.get_operation_by_name
-  tg, dtype_name, sender = key
-  group, me, root, shapes, sizes = _bucket(ctx, key, names)
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
-      tf.name_scope("epl_zero"):
-    if worker.index == sender:
-      reads = []
-      for v in names:                                # each read where its variable lives
-        with tf.device(get(v).device):
-          reads.append(tf.reshape(_read(get(v)), [-1]))
-      with tf.device(group[me]):
-        flat = tf.concat(reads, axis=0) if len(reads) > 1 else reads[0]
-      sent = ctx.collectives.broadcast(flat, group[me], group, root)
-      mine = [op for v in names for op in updates[v]]
-      for op in mine:            # the weights are sent as they were before this step's update
-        compat.add_control_inputs(op, [sent.op])
-      return mine, {w for op in mine for w in compat.control_outputs(op)}
-    with tf.device(group[me]):
-      received = ctx.collectives.broadcast(tf.zeros([sum(sizes)], dtype_name), group[me],
-                                           group, root)
-      pieces = tf.split(received, sizes) if len(names) > 1 else [received]
-      values = {v: tf.reshape(p, s) for v, p, s in zip(names, pieces, shapes)}
-  done = exchanged.get((tg, dtype_name), received.op)
-  waiters = {w for v in names for op in updates[v] for w in compat.control_outputs(op)}
-  for v in names:
-    _rewire_reads(ctx, get(v), lambda read, v=v: values[v], skip_first=False)
-    for op in updates[v]:                         # this worker runs no update of them
-      _replace_update(v, [op], done)
-  return [done], waiters

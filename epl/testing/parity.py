@@ -51,7 +51,7 @@ def _make_optimizer(name, lr):
 
 def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimizer="momentum",
               lr=0.01, initial=None, seed=7, feed=False, default_strategy=None,
-              fetch_loss=True, every_step=False):
+              fetch_loss=True, every_step=False, alternate=False):
   """Builds and trains ``model_fn`` once; epl is used when ``config`` is given.
 
   Args:
@@ -65,6 +65,8 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
       log every N steps do.
     every_step: read every variable right after each step (``ParityResult.steps``), as a
       script that evaluates or saves between steps does.
+    alternate: two train ops in alternate steps, as GAN scripts have: the first layer's
+      variables (with global_step) in even steps, the others in odd ones.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -85,7 +87,15 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     global_step = tf.train.get_or_create_global_step()
     update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
     with tf.control_dependencies(update_ops):
-      train_op = _make_optimizer(optimizer, lr).minimize(loss, global_step=global_step)
+      if alternate:
+        trained = tf.trainable_variables()
+        first = [v for v in trained if v.op.name.split("/")[0] == trained[0].op.name.split("/")[0]]
+        train_ops = [
+            _make_optimizer(optimizer, lr).minimize(loss, global_step=global_step, var_list=first),
+            _make_optimizer(optimizer, lr).minimize(
+                loss, var_list=[v for v in trained if v not in first])]
+      else:
+        train_ops = [_make_optimizer(optimizer, lr).minimize(loss, global_step=global_step)]
     variables = tf.global_variables()
     init = tf.global_variables_initializer()
     with tf.Session() as sess:
@@ -101,6 +111,7 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
           fd = {x: features[lo:lo + batch], y: labels[lo:lo + batch]}
         else:
           fd = None
+        train_op = train_ops[step % len(train_ops)]
         if not fetch_loss:
           sess.run(train_op, fd)
         else:

@@ -7,7 +7,8 @@ COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many d
 TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (default
 epl.collectives.PIECE_BYTES, 2 MiB: the test models' gradients are smaller).
 TEST_EVERY_STEP=1: also read every variable right after each step and save them as
-``__step<k>__/<variable>``.
+``__step<k>__/<variable>``. TEST_ALTERNATE=1: two train ops in alternate steps (run_model's
+``alternate``).
 """
 import os
 import sys
@@ -56,7 +57,8 @@ def main():
   res = run_model(getattr(models, model), data, batch, steps, config=config, initial=initial,
                   strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
                               for i, k in enumerate(counts)],
-                  every_step=bool(os.environ.get("TEST_EVERY_STEP")))
+                  every_step=bool(os.environ.get("TEST_EVERY_STEP")),
+                  alternate=bool(os.environ.get("TEST_ALTERNATE")))
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
   owners = sorted((zero.owners if zero is not None else {}).values())
   # bytes of the user's trained variables placed on this worker's task (ZeRO v2: its share)
