@@ -1,7 +1,7 @@
 """Gradient sync at the link's limit: epl across emulated hosts, every host link capped.
 
   sudo python bench/cluster.py [--rates 1gbit,10gbit] [--sizes 4,16,64] [--hosts 2,3]
-                               [--steps 8] [--png docs/cluster_step.png] [--json]
+                               [--steps 8] [--repeat 1] [--png docs/cluster_step.png] [--json]
 
 Each host is a network namespace with its own address and its link to a bridge capped at the
 rate (``tc tbf``, both directions; epl.testing.cluster); one worker per host, started with
@@ -11,7 +11,8 @@ TF_CONFIG as a scheduler starts it. Needs root. Measured, per rate:
     ``epl.collectives`` path gradient sync takes, built from a data-parallel plan) against
     the ring's lower bound 2(n-1)/n x S / R, printed as the fraction of the link epl reaches;
     Horovod's ``hvd.allreduce`` (Gloo) on the same hosts when Horovod is installed
-    (bash bench/build_horovod.sh).
+    (bash bench/build_horovod.sh). ``--repeat N``: N fresh runs of each, epl's and
+    Horovod's interleaved, each time printed, the medians compared.
 (b) data-parallel training (2 hosts) of a model whose gradients take longer to send than to
     compute (``comm``: 64 MiB of gradients, a batch of 8) and of one where compute dominates
     (``compute``: 4 MiB of gradients, a batch of 8192): step time / max(compute time, the
@@ -359,16 +360,26 @@ def measure(bed, rate, args, have_hvd):
   report = {"rate": rate, "allreduce": [], "dp": {}}
   for hosts in args.hosts:
     for mib in args.sizes:
-      epl_r = b.run("allreduce", hosts, "--mib", mib)
+      runs = []                   # --repeat: epl's and Horovod's runs interleaved
+      for _ in range(args.repeat):
+        runs.append((b.run("allreduce", hosts, "--mib", mib), b.run(
+            "horovod_allreduce", hosts, "--mib", mib, horovod=True) if have_hvd else None))
+      epl_r = runs[0][0]
       row = {"hosts": hosts, "mib": mib, "bound_s": ring_seconds(mib * MIB, hosts, rate),
-             "epl_s": max(r["seconds"] for r in epl_r),
+             "epl_runs_s": [max(r["seconds"] for r in e) for e, _ in runs],
              "epl_tx_per_step": statistics.mean(r["tx_per_step"] for r in epl_r),
-             "epl_cpu_s": sum(r["cpu_per_step"] for r in epl_r)}
+             "epl_cpu_s": statistics.median(sum(r["cpu_per_step"] for r in e) for e, _ in runs)}
+      row["epl_s"] = statistics.median(row["epl_runs_s"])
       if have_hvd:
-        hvd_r = b.run("horovod_allreduce", hosts, "--mib", mib, horovod=True)
-        row["hvd_s"] = max(r["seconds"] for r in hvd_r)
-        row["hvd_cpu_s"] = sum(r["cpu_per_step"] for r in hvd_r)
+        row["hvd_runs_s"] = [max(r["seconds"] for r in h) for _, h in runs]
+        row["hvd_s"] = statistics.median(row["hvd_runs_s"])
+        row["hvd_cpu_s"] = statistics.median(sum(r["cpu_per_step"] for r in h)
+                                             for _, h in runs)
       report["allreduce"].append(row)
+      if args.repeat > 1:
+        print("  %d runs each, interleaved: epl %s s; Horovod %s s (medians below)" % (
+            args.repeat, " ".join("%.3f" % t for t in row["epl_runs_s"]),
+            " ".join("%.3f" % t for t in row.get("hvd_runs_s", []))), flush=True)
       # CPU: seconds of CPU per all-reduce, summed over the hosts' workers (the hosts share
       # this machine's cores: a sum near 2 x the time is a CPU-bound all-reduce)
       print("  all-reduce %2d MiB, %d hosts: epl %.3f s (CPU %.2f s), bound %.3f s, link "
@@ -475,6 +486,7 @@ def main():
   p.add_argument("--sizes", default="4,16,64")
   p.add_argument("--hosts", default="2,3")
   p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--repeat", type=int, default=1)
   p.add_argument("--mib", type=int, default=4)
   p.add_argument("--model", default="comm", choices=sorted(MODELS))
   p.add_argument("--fp16", action="store_true")
