@@ -70,13 +70,13 @@ def local_run(tmp_path, model, global_batch, steps, seed, every_step=False, alte
 
 
 @pytest.mark.parametrize("model,alternate", [("wide", False), ("mlp", True)],
-                         ids=["two 4 MiB kernels", "two train ops in alternate steps"])
+                         ids=["a 4 MiB kernel", "two train ops in alternate steps"])
 def test_zero_v2_a_read_after_a_step_sees_every_owners_update(tmp_path, model, alternate):
   """ZeRO v2 across workers: a variable lives on its owner's task only, and another worker
   reads it there. Each worker's step must end only once every owner's update of that step
   ran: a read (an evaluation, the chief's checkpoint) right after a step on either worker
   holds that step's values. Every variable is read on each worker right after every step
-  (the 4 MiB kernels' updates took milliseconds after the other worker's step returned:
+  (the 4 MiB kernel's update took milliseconds after the other worker's step returned:
   that worker read the step before's values). With two train ops in alternate steps (GAN
   scripts), a worker that owns none of a train op's variables still joins the broadcast of
   its weights (it hung: only its updates started its broadcast)."""

@@ -142,7 +142,9 @@ def partition_across(ctx, owners, updates, partitioned, colocated, local):
     for waiter, ran in _gather_bucket(ctx, key, sorted(buckets[key]), updates, exchanged):
       if waiter not in every_update:        # updates ordered among themselves: their finish
         ends.setdefault((key[0], waiter.name), set()).add(ran)
+  upstream = ancestors(op for ran in ends.values() for op in ran)  # cannot wait for an end
   for tg, waiter in sorted(ends):
+    assert get(waiter) not in upstream, waiter
     _step_end(ctx, tg, get(waiter), ends[tg, waiter])
 
 
@@ -160,7 +162,6 @@ def _step_end(ctx, tg, waiter, ran):
       token = tf.zeros([1])
     end = ctx.collectives.all_reduce([token], [group[me]], "sum", group=group,
                                      clients=list(ctx.plan.clients))[0]
-  assert waiter not in ancestors(ran), waiter.name
   compat.add_control_inputs(waiter, [end.op])
 
 
