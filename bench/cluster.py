@@ -12,7 +12,9 @@ TF_CONFIG as a scheduler starts it. Needs root. Measured, per rate:
     the ring's lower bound 2(n-1)/n x S / R, printed as the fraction of the link epl reaches;
     Horovod's ``hvd.allreduce`` (Gloo) on the same hosts when Horovod is installed
     (bash bench/build_horovod.sh). ``--repeat N``: N fresh runs of each, epl's and
-    Horovod's interleaved, each time printed, the medians compared.
+    Horovod's interleaved, each time printed, the medians compared (also for (b) and (e):
+    the compute time, epl's and Horovod's DP runs interleaved, the run with the median
+    ratio reported).
 (b) data-parallel training (2 hosts) of a model whose gradients take longer to send than to
     compute (``comm``: 64 MiB of gradients, a batch of 8) and of one where compute dominates
     (``compute``: 4 MiB of gradients, a batch of 8192): step time / max(compute time, the
@@ -390,14 +392,28 @@ def measure(bed, rate, args, have_hvd):
                     row["hvd_s"], row["hvd_cpu_s"], row["bound_s"] / row["hvd_s"])
                 if "hvd_s" in row else ""), flush=True)
   for model in ("comm", "compute"):
-    local = max(r["seconds"] for r in b.run("local", 2, "--model", model))
-    dp = b.run("dp", 2, "--model", model)
-    step = max(r["seconds"] for r in dp)
     bound = ring_seconds(gradient_bytes(model), 2, rate)
+    runs = []            # --repeat: (compute, epl's DP, Horovod's DP) each time, interleaved
+    for _ in range(args.repeat):
+      local = max(r["seconds"] for r in b.run("local", 2, "--model", model))
+      dp = b.run("dp", 2, "--model", model)
+      hvd = (b.run("horovod_dp", 2, "--model", model, horovod=True)
+             if model == "comm" and have_hvd else None)
+      runs.append((local, dp, hvd))
+    ratios = [max(r["seconds"] for r in dp) / max(local, bound) for local, dp, _ in runs]
+    local, dp, hvd = runs[sorted(range(len(runs)), key=ratios.__getitem__)[len(runs) // 2]]
+    step = max(r["seconds"] for r in dp)           # the run with the median ratio
     entry = {"compute_s": local, "comm_bound_s": bound, "step_s": step,
-             "ratio": step / max(local, bound), "samples_per_s": dp[0]["samples_per_s"],
+             "ratio": step / max(local, bound), "ratio_runs": ratios,
+             "samples_per_s": dp[0]["samples_per_s"],
              "tx_per_step": statistics.mean(r["tx_per_step"] for r in dp),
              "min_tx_per_step": 2.0 * (2 - 1) / 2 * gradient_bytes(model)}
+    if args.repeat > 1:
+      print("  DP %s, %d runs each, interleaved: epl step / max %s%s (median run below)" % (
+          model, args.repeat, " ".join("%.2f" % r for r in ratios),
+          "; Horovod's %s" % " ".join(
+              "%.2f" % (max(r["seconds"] for r in h) / max(l, bound)) for l, _, h in runs)
+          if runs[0][2] else ""), flush=True)
     print("  DP %-7s: step %.3f s, compute %.3f s, comm bound %.3f s: step / max = %.2f; "
           "sent per step %.1f MB = %.2f x the ring's minimum" % (
               model, step, local, bound, entry["ratio"], entry["tx_per_step"] / 1e6,
@@ -410,8 +426,7 @@ def measure(bed, rate, args, have_hvd):
             "%.3f s" % (entry["fp16_tx_per_step"] / 1e6,
                         entry["fp16_tx_per_step"] / entry["tx_per_step"],
                         entry["fp16_step_s"]), flush=True)
-      if have_hvd:
-        hvd = b.run("horovod_dp", 2, "--model", model, horovod=True)
+      if hvd:
         entry["hvd_samples_per_s"] = hvd[0]["samples_per_s"]
         entry["hvd_step_s"] = max(r["seconds"] for r in hvd)
         print("  DP comm samples/s: epl %.1f, Horovod %.1f: epl / Horovod %.2f; Horovod's "
