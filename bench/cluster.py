@@ -380,15 +380,15 @@ def measure(bed, rate, args, have_hvd):
       report["allreduce"].append(row)
       if args.repeat > 1:
         print("  %d runs each, interleaved: epl %s s; Horovod %s s (medians below)" % (
-            args.repeat, " ".join("%.3f" % t for t in row["epl_runs_s"]),
-            " ".join("%.3f" % t for t in row.get("hvd_runs_s", []))), flush=True)
+            args.repeat, " ".join("%.4f" % t for t in row["epl_runs_s"]),
+            " ".join("%.4f" % t for t in row.get("hvd_runs_s", []))), flush=True)
       # CPU: seconds of CPU per all-reduce, summed over the hosts' workers (the hosts share
       # this machine's cores: a sum near 2 x the time is a CPU-bound all-reduce)
-      print("  all-reduce %2d MiB, %d hosts: epl %.3f s (CPU %.2f s), bound %.3f s, link "
-            "fraction %.2f%s" % (
+      print("  all-reduce %2d MiB, %d hosts: epl %.4f s (CPU %.2f s), bound %.4f s, link "
+            "fraction %.3f%s" % (
                 mib, hosts, row["epl_s"], row["epl_cpu_s"], row["bound_s"],
                 row["bound_s"] / row["epl_s"],
-                "; Horovod %.3f s (CPU %.2f s, %.2f)" % (
+                "; Horovod %.4f s (CPU %.2f s, %.3f)" % (
                     row["hvd_s"], row["hvd_cpu_s"], row["bound_s"] / row["hvd_s"])
                 if "hvd_s" in row else ""), flush=True)
   for model in ("comm", "compute"):
