@@ -240,3 +240,53 @@ def test_a_restart_on_localhost_starts_every_worker_again_on_fresh_ports(monkeyp
   assert first[0] != second[0]
   assert [s.env["EPL_LAUNCH_ATTEMPT"] for s in starts[1]] == ["1", "1"]
   assert [s.argv for s in starts[0]] == [s.argv for s in starts[1]]
+
+
+_INTERRUPTED_WHILE_POLLING = r'''
+import os, signal, subprocess, sys
+from epl.launch import cli
+
+class Popen(subprocess.Popen):
+  """The launcher's worker process; its 3rd poll sends the launcher a SIGINT while the
+  poll holds the process's wait lock (between its acquire and release)."""
+  polls = 0
+
+  def _internal_poll(self, _deadstate=None, **kwargs):
+    def waitpid(pid, options):
+      Popen.polls += 1
+      if Popen.polls == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+      return os.waitpid(pid, options)
+    return super()._internal_poll(_deadstate, _waitpid=waitpid)
+
+cli.subprocess.Popen = Popen
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+def test_a_ctrl_c_that_lands_inside_a_poll_of_a_worker_stops_the_job(tmp_path):
+  """The interrupt arrives while the launcher polls a worker (its wait lock held): every
+  worker is stopped and the launcher exits 130 at once (it used to wait for ever)."""
+  import re
+  import signal
+  import subprocess
+  import sys
+  worker = tmp_path / "worker.py"
+  worker.write_text("import time\ntime.sleep(600)\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, CUDA_VISIBLE_DEVICES="")
+  launcher = subprocess.Popen(
+      [sys.executable, "-c", _INTERRUPTED_WHILE_POLLING, "--num_workers", "1", "--log_dir",
+       str(tmp_path / "logs"), str(worker)], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    out, err = launcher.communicate(timeout=30)
+  except subprocess.TimeoutExpired:
+    launcher.kill()                      # its worker gets SIGKILL from the kernel (pdeathsig)
+    out, err = launcher.communicate()
+    raise AssertionError("the launcher did not end 30 s after the interrupt:\n%s%s" % (out, err))
+  assert launcher.returncode == 128 + signal.SIGINT, (out, err)
+  assert "epl-launch: interrupted (SIGINT); all workers stopped" in err, (out, err)
+  pid = int(re.search(r"worker 0 started \(pid (\d+)\)", out).group(1))
+  with pytest.raises(ProcessLookupError):
+    os.kill(pid, 0)

@@ -238,6 +238,27 @@ def _listening(settings):
           "ports (--port_range)" % (settings.job_id, ports))
 
 
+class Interrupted(BaseException):
+  """SIGINT / SIGTERM, raised in the launcher's main thread wherever it was (a
+  BaseException, as KeyboardInterrupt: no ``except Exception`` on the way swallows it).
+
+  The handler does nothing else: stopping the workers runs after the exception has unwound
+  what the signal interrupted. A handler that stopped them itself could land inside
+  ``Popen.poll`` (between its non-blocking acquire of the process's wait lock and the
+  release); every ``poll`` in the handler then found the lock taken and answered "still
+  running", so the launcher waited for a worker that had long exited and never ended (a
+  Ctrl-C in tests/test_cluster.py hung so in one CI run; tests/test_launch.py has the
+  interrupt land there on purpose)."""
+
+  def __init__(self, signum):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _raise_interrupted(signum, _frame):
+  raise Interrupted(signum)
+
+
 def main(argv=None):
   args = parser().parse_args(argv)
   settings = settings_from_args(args)
@@ -248,16 +269,22 @@ def main(argv=None):
                                     settings.restart_window if settings.restart_window else "")
       if settings.max_restarts else ""), flush=True)
   running = []
-
-  def on_signal(signum, _frame):
+  signal.signal(signal.SIGINT, _raise_interrupted)
+  signal.signal(signal.SIGTERM, _raise_interrupted)
+  try:
+    return _run(settings, gpus, running)
+  except Interrupted as interrupt:
+    for sig in (signal.SIGINT, signal.SIGTERM):    # a second Ctrl-C: the stop goes on
+      signal.signal(sig, signal.SIG_IGN)
     for job in running:
       job.stop()
-    print("epl-launch: interrupted (%s); all workers stopped" % signal.Signals(signum).name,
-          file=sys.stderr)
-    sys.exit(128 + signum)
+    print("epl-launch: interrupted (%s); all workers stopped" % interrupt, file=sys.stderr)
+    return 128 + interrupt.signum
 
-  signal.signal(signal.SIGINT, on_signal)
-  signal.signal(signal.SIGTERM, on_signal)
+
+def _run(settings, gpus, running):
+  """Starts the job (again after a failure, within the restart budget) until it ends;
+  ``running`` holds the current run's Job for ``main`` to stop on an interrupt."""
   budget = Restarts(settings.max_restarts, settings.restart_window)
   attempt = 0
   while True:
