@@ -1,6 +1,10 @@
 """epl-launch: the pure (argv, env) step, and IO slicing assignment."""
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -267,10 +271,6 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_a_ctrl_c_that_lands_inside_a_poll_of_a_worker_stops_the_job(tmp_path):
   """The interrupt arrives while the launcher polls a worker (its wait lock held): every
   worker is stopped and the launcher exits 130 at once (it used to wait for ever)."""
-  import re
-  import signal
-  import subprocess
-  import sys
   worker = tmp_path / "worker.py"
   worker.write_text("import time\ntime.sleep(600)\n")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
