@@ -357,6 +357,11 @@ class LinkSampler:
       time.sleep(self.every)
 
 
+def slowest(results):
+  """The slowest worker's median step time of one run (every worker waits for it)."""
+  return max(r["seconds"] for r in results)
+
+
 def measure(bed, rate, args, have_hvd):
   b = Bench(bed, rate, args.steps)
   report = {"rate": rate, "allreduce": [], "dp": {}}
@@ -368,12 +373,12 @@ def measure(bed, rate, args, have_hvd):
             "horovod_allreduce", hosts, "--mib", mib, horovod=True) if have_hvd else None))
       epl_r = runs[0][0]
       row = {"hosts": hosts, "mib": mib, "bound_s": ring_seconds(mib * MIB, hosts, rate),
-             "epl_runs_s": [max(r["seconds"] for r in e) for e, _ in runs],
+             "epl_runs_s": [slowest(e) for e, _ in runs],
              "epl_tx_per_step": statistics.mean(r["tx_per_step"] for r in epl_r),
              "epl_cpu_s": statistics.median(sum(r["cpu_per_step"] for r in e) for e, _ in runs)}
       row["epl_s"] = statistics.median(row["epl_runs_s"])
       if have_hvd:
-        row["hvd_runs_s"] = [max(r["seconds"] for r in h) for _, h in runs]
+        row["hvd_runs_s"] = [slowest(h) for _, h in runs]
         row["hvd_s"] = statistics.median(row["hvd_runs_s"])
         row["hvd_cpu_s"] = statistics.median(sum(r["cpu_per_step"] for r in h)
                                              for _, h in runs)
@@ -395,14 +400,14 @@ def measure(bed, rate, args, have_hvd):
     bound = ring_seconds(gradient_bytes(model), 2, rate)
     runs = []            # --repeat: (compute, epl's DP, Horovod's DP) each time, interleaved
     for _ in range(args.repeat):
-      local = max(r["seconds"] for r in b.run("local", 2, "--model", model))
+      local = slowest(b.run("local", 2, "--model", model))
       dp = b.run("dp", 2, "--model", model)
       hvd = (b.run("horovod_dp", 2, "--model", model, horovod=True)
              if model == "comm" and have_hvd else None)
       runs.append((local, dp, hvd))
-    ratios = [max(r["seconds"] for r in dp) / max(local, bound) for local, dp, _ in runs]
+    ratios = [slowest(dp) / max(local, bound) for local, dp, _ in runs]
     local, dp, hvd = runs[sorted(range(len(runs)), key=ratios.__getitem__)[len(runs) // 2]]
-    step = max(r["seconds"] for r in dp)           # the run with the median ratio
+    step = slowest(dp)                             # the run with the median ratio
     entry = {"compute_s": local, "comm_bound_s": bound, "step_s": step,
              "ratio": step / max(local, bound), "ratio_runs": ratios,
              "samples_per_s": dp[0]["samples_per_s"],
@@ -412,7 +417,7 @@ def measure(bed, rate, args, have_hvd):
       print("  DP %s, %d runs each, interleaved: epl step / max %s%s (median run below)" % (
           model, args.repeat, " ".join("%.2f" % r for r in ratios),
           "; Horovod's %s" % " ".join(
-              "%.2f" % (max(r["seconds"] for r in h) / max(l, bound)) for l, _, h in runs)
+              "%.2f" % (slowest(h) / max(l, bound)) for l, _, h in runs)
           if runs[0][2] else ""), flush=True)
     print("  DP %-7s: step %.3f s, compute %.3f s, comm bound %.3f s: step / max = %.2f; "
           "sent per step %.1f MB = %.2f x the ring's minimum" % (
@@ -421,14 +426,14 @@ def measure(bed, rate, args, have_hvd):
     if model == "comm":
       fp16 = b.run("dp", 2, "--model", model, "--fp16")
       entry["fp16_tx_per_step"] = statistics.mean(r["tx_per_step"] for r in fp16)
-      entry["fp16_step_s"] = max(r["seconds"] for r in fp16)
+      entry["fp16_step_s"] = slowest(fp16)
       print("  DP comm, communication.fp16: sent per step %.1f MB = %.2f x float32's; step "
             "%.3f s" % (entry["fp16_tx_per_step"] / 1e6,
                         entry["fp16_tx_per_step"] / entry["tx_per_step"],
                         entry["fp16_step_s"]), flush=True)
       if hvd:
         entry["hvd_samples_per_s"] = hvd[0]["samples_per_s"]
-        entry["hvd_step_s"] = max(r["seconds"] for r in hvd)
+        entry["hvd_step_s"] = slowest(hvd)
         print("  DP comm samples/s: epl %.1f, Horovod %.1f: epl / Horovod %.2f; Horovod's "
               "step / max = %.2f" % (
                   entry["samples_per_s"], entry["hvd_samples_per_s"],
