@@ -39,6 +39,41 @@ SHARED_SINK_OPS = frozenset({
 READ_OPS = frozenset({"Identity", "ReadVariableOp", "VarIsInitializedOp",
                       "IsVariableInitialized"})
 
+# Ops whose output can be their input's buffer: TF hands the input tensor on (set_output or
+# a reshaped/sliced CopyFrom) instead of copying it, unconditionally or for some shapes
+# (Slice/StridedSlice/Split/Unpack along axis 0, Transpose by the identity, Tile/Pad/
+# BroadcastTo that change nothing, Cast to the same type). A reader of their output reads a ref
+# variable's memory when their input is the variable's read: GPT-2's conv1d reads every weight
+# as tf.reshape(w, [-1, nf]). (Element-wise ops forward a buffer only when nothing else holds
+# it, never a variable's.) Listing too many costs at most an unneeded control edge; missing
+# one lets an update run under a reader. Used by ``buffer_readers`` (docs/architecture.md).
+ALIASING_OPS = frozenset({
+    "Identity", "IdentityN", "RefIdentity", "StopGradient", "PreventGradient",
+    "PlaceholderWithDefault", "DebugIdentity", "DebugIdentityV2", "EnsureShape",
+    "CheckNumerics", "CheckNumericsV2", "Print", "Reshape", "ExpandDims", "Squeeze",
+    "Bitcast", "Slice", "StridedSlice", "Split", "SplitV", "Unpack", "Transpose",
+    "ConjugateTranspose", "Tile", "Pad", "PadV2", "BroadcastTo", "Cast", "ConcatV2",
+    "Concat",
+})
+
+
+def buffer_readers(tensor):
+  """(op, input index) of every op that reads ``tensor``'s buffer: its consumers and, through
+  ``ALIASING_OPS``, the consumers of every tensor that may share that buffer (the aliasing ops
+  themselves included)."""
+  out, seen, work = [], set(), [tensor]
+  while work:
+    t = work.pop()
+    if t in seen:
+      continue
+    seen.add(t)
+    for op in t.consumers():
+      out.extend((op, i) for i, x in enumerate(op.inputs) if x is t)
+      if op.type in ALIASING_OPS:
+        work.extend(op.outputs)
+  return out
+
+
 # Input-pipeline ops stay on the host; the placer colocates them with their iterator.
 def is_host_op(op):
   t = op.type

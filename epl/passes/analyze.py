@@ -77,7 +77,38 @@ def _is_batch_placeholder(op):
   if op.type not in PLACEHOLDER_OPS:
     return False
   shape = op.outputs[0].shape
-  return shape.rank is None or shape.rank >= 1
+  return (shape.rank is None or shape.rank >= 1) and not _picked(op.outputs[0])
+
+
+def _picked(tensor):
+  """True when the graph only picks elements of ``tensor`` by fixed indices along its first
+  axis (``keep[0]``, ``tf.unstack(keep)``, ``tf.gather(keep, 1)``): a vector of settings
+  (per-layer keep-probs), not a batch, whatever its length."""
+  picks, work = 0, [tensor]
+  while work:
+    t = work.pop()
+    for op in t.consumers():
+      if op.type in ("Identity", "StopGradient"):
+        work.extend(op.outputs)
+        continue
+      for i in (i for i, x in enumerate(op.inputs) if x is t):
+        if not _picks(op, i):
+          return False
+        picks += 1
+  return picks > 0
+
+
+def _picks(op, index):
+  const = lambda t: t.op.type == "Const"       # noqa: E731
+  if op.type == "StridedSlice":
+    return index == 0 and bool(op.get_attr("shrink_axis_mask") & 1) and const(op.inputs[1])
+  if op.type == "Unpack":
+    return op.get_attr("axis") == 0
+  if op.type in ("Gather", "GatherV2", "ResourceGather"):
+    return index == 0 and const(op.inputs[1]) and (
+        op.type == "Gather" or const(op.inputs[2]) and
+        int(tf.get_static_value(op.inputs[2])) == 0)
+  return False
 
 
 def _inputs(op):

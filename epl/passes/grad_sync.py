@@ -34,6 +34,7 @@ from epl.collectives import by_worker
 from epl.errors import NotImplementedYetError, PlanError
 from epl.passes.clone import rewire
 from epl.passes.grad_stream import stream, streamable
+from epl.passes.slots import train_groups
 from epl.passes.zero import assign_owners
 
 
@@ -208,15 +209,18 @@ def _reduce(ctx, items, report):
   across_v2 = plan.memory.zero == "v2" and len(plan.clients) > 1
   owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" or across_v2 else {}
   scatter = bool(owners) and len(plan.clients) > 1
+  train = _train_ops(ctx, items)
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
       _gather_sparse(ctx, item, report)
       continue
     dtype = (item.grad.values if isinstance(item.grad, tf.IndexedSlices) else item.grad).dtype
-    dense.setdefault((item.taskgraph, item.part, dtype.base_dtype.name,
+    # a bucket holds one train op's gradients: a GAN's generator step must not compute (and
+    # need the feeds of) the discriminator's (ZeRO's reduce-scatter: one per stage and dtype)
+    dense.setdefault((0 if scatter else train[item.variable], item.taskgraph, item.part, dtype.base_dtype.name,
                       -1 if scatter else owners.get(item.variable, -1)), []).append(item)
   ready = _readiness(ctx.graph)
-  for (tg, part, _, owner), group in sorted(dense.items()):
+  for (_, tg, part, _, owner), group in sorted(dense.items()):
     if len(plan.group_of(tg, part)) == 1:
       continue                         # one replica of a split TaskGraph: nothing to reduce
     if scatter:
@@ -234,6 +238,13 @@ def _reduce(ctx, items, report):
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
+
+
+def _train_ops(ctx, items):
+  """{variable: the index of the train op(s) its gradient feeds} (slots.train_groups)."""
+  update = {op for op, phase in ctx.phase.items() if phase == "apply"}
+  return train_groups(update, {item.variable: [r for rs in item.readers.values() for r in rs]
+                               for item in items})
 
 
 def _readiness(graph):

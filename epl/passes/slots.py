@@ -1,6 +1,7 @@
 """Which variable an optimizer's op writes, which trained variable a slot belongs to, and
 what an update depends on -- shared by the passes that treat a variable and its optimizer
 state as one unit (grouped apply, ZeRO)."""
+from epl import _tf_compat as compat
 from epl.op_tables import VARIABLE_OPS, mutates
 
 
@@ -47,3 +48,48 @@ def ancestors(ops, members=None):
     work.extend(t.op for t in op.inputs)
     work.extend(op.control_inputs)
   return seen
+
+
+class TrainEnds:
+  """Which train op an update belongs to: the ends (ops nothing follows) reached downstream
+  of an op by data or control edges, inside ``members`` when given -- a train op, or the
+  ``tf.group`` of several. Two updates with other ends belong to train ops that run in
+  different steps (a GAN's two optimizers). Memoised over the ops asked for."""
+
+  def __init__(self, members=None):
+    self._members = members
+    self._ends = {}
+
+  def _next(self, op):
+    outs = [c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op)
+    return [c for c in outs if self._members is None or c in self._members]
+
+  def __call__(self, op):
+    stack = [op]
+    while stack:
+      top = stack[-1]
+      if top in self._ends:
+        stack.pop()
+        continue
+      nexts = self._next(top)
+      todo = [n for n in nexts if n not in self._ends]
+      if todo:
+        stack.extend(todo)
+        continue
+      stack.pop()
+      self._ends[top] = frozenset({top}) if not nexts else frozenset().union(
+          *(self._ends[n] for n in nexts))
+    return self._ends[op]
+
+
+def train_groups(update, readers):
+  """{name: index}: names whose ``readers`` (ops of the ``update`` phase) reach the same ends
+  get one index -- their values are needed by the same train op(s); indices follow the ends'
+  creation order."""
+  ends_of = TrainEnds(update)
+  keys = {name: frozenset().union(*(ends_of(r) for r in ops)) if ops else frozenset()
+          for name, ops in readers.items()}
+  order = sorted(set(keys.values()), key=lambda k: min((compat.op_id(o) for o in k),
+                                                       default=-1))
+  index = {k: i for i, k in enumerate(order)}
+  return {name: index[k] for name, k in keys.items()}

@@ -38,8 +38,8 @@ import tensorflow.compat.v1 as tf
 from tensorflow.python.ops import gen_array_ops
 
 from epl import _tf_compat as compat
-from epl.op_tables import READ_OPS, VARIABLE_OPS, mutates
-from epl.passes.slots import written
+from epl.op_tables import READ_OPS, buffer_readers, mutates
+from epl.passes.slots import TrainEnds, written
 
 _CHECKS = frozenset({"IsVariableInitialized", "VarIsInitializedOp"})
 # a read inside a tf.while_loop / tf.cond enters it through these; an update outside cannot
@@ -70,9 +70,11 @@ def step_reads(ctx):
   updates = [[u for u in (clones.op(c, op) for op in apply_ops) if u is not None]
              for c in range(clones.num_copies)]
   # the step's own computation: what the updates need (not evaluation-only ops, savers or
-  # the replica sync, which read variables outside the step)
-  step = _walk([u for per_copy in updates for u in per_copy], upstream=True)
-  ordered = _updates_after_reads(updates, step)
+  # the replica sync, which read variables outside the step), per train op: a GAN's
+  # discriminator update must not wait for the generator step's reads of its weights
+  steps = _steps(updates, clones, analysis)
+  step = set().union(*steps.values()) if steps else set()
+  ordered = _updates_after_reads(updates, steps)
   writers = {}
   for op in analysis.singletons:
     var = written(op)
@@ -96,9 +98,29 @@ def step_reads(ctx):
   return StepReads(values, rewired, ordered)
 
 
-def _updates_after_reads(updates, step):
+def _steps(updates, clones, analysis):
+  """{update op: the ops of its train op's step}: what the ends downstream of the update (its
+  train op) depend on, with every micro-batch's clone of those ops -- the updates take only
+  micro-batch 0's gradients until gradient_sync accumulates them, and a later micro-batch's
+  input gradient that reads a weight is upstream of no update of that weight (tf.gradients
+  does not gate an op's gradients together, as compute_gradients does)."""
+  ends_of, by_ends, out = TrainEnds(), {}, {}
+  for per_copy in updates:
+    for op in per_copy:
+      ends = ends_of(op)
+      if ends not in by_ends:
+        step = _walk(ends, upstream=True)
+        later = [clones.op(c, x, m) for x in analysis.cloned for c in range(clones.num_copies)
+                 if clones.op(c, x) in step for m in range(1, clones.num_micro_batch)]
+        by_ends[ends] = step | _walk([x for x in later if x is not None], upstream=True)
+      out[op] = by_ends[ends]
+  return out
+
+
+def _updates_after_reads(updates, steps):
   """Part 1 of the module docstring: each copy's updates (``updates[c]``) wait for the ops of
-  the step that read their variable. Returns the number of edges added."""
+  their train op's step (``steps``) that read their variable. Returns the number of edges
+  added."""
   count = 0
   for per_copy in updates:
     after = _walk(per_copy, upstream=False)
@@ -108,10 +130,11 @@ def _updates_after_reads(updates, step):
       if var is not None:
         writers.setdefault(var, []).append(op)
     for var, ops in sorted(writers.items(), key=lambda kv: kv[0].name):
-      readers = {op for op, _ in _uses(var, set(ops))
-                 if op in step and op not in after and not mutates(op) and
-                 op.type not in _CONTROL_FLOW and not compat.in_control_flow(op)}
+      uses = {op for op, _ in _uses(var, set(ops), through_aliases=True)
+              if op not in after and not mutates(op) and op.type not in _CONTROL_FLOW and
+              not compat.in_control_flow(op)}
       for w in ops:
+        readers = {op for op in uses if op in steps[w]}
         missing = sorted((r for r in readers if r not in w.control_inputs),
                          key=lambda o: o.name)
         compat.add_control_inputs(w, missing)
@@ -135,14 +158,20 @@ def _incremented(graph, var, write):
   return value
 
 
-def _uses(var, writers):
+def _uses(var, writers, through_aliases=False):
   """(op, input index) of every op that takes the value of ``var``: through a read op
-  (Identity of a ref variable, ReadVariableOp of a resource one), or a ref input directly."""
+  (Identity of a ref variable, ReadVariableOp of a resource one), or a ref input directly.
+  ``through_aliases``: also every op that reads the read's buffer through ops that hand it on
+  (``op_tables.ALIASING_OPS``: ``tf.reshape(w, ...)``, ``tf.stop_gradient(w)``), where a
+  rewire must stop at the read's direct consumers."""
   out = []
   for consumer in var.outputs[0].consumers():
     if consumer in writers or consumer.type in _CHECKS:
       continue
     if consumer.type in READ_OPS:
+      if through_aliases:
+        out.extend(buffer_readers(consumer.outputs[0]))
+        continue
       out.extend((c, i) for c in consumer.outputs[0].consumers()
                  for i, t in enumerate(c.inputs) if t is consumer.outputs[0])
     elif not mutates(consumer):

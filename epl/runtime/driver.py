@@ -11,6 +11,7 @@ import time
 import epl.passes
 from epl import _tf_compat as compat
 from epl.amp import apply_amp
+from epl.op_tables import VARIABLE_OPS
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
 from epl.runtime import serve
@@ -29,6 +30,17 @@ def parallel_graph(state):
   transform(state)
   plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
   return ParallelGraph(plan, state.graph, plan.for_worker(state.cluster.worker_index))
+
+
+def session_plan(state):
+  """The plan a session's ConfigProto is made for: the rewritten graph's, a preview of the
+  model built so far, or None while the graph holds no variable yet (a session opened before
+  the model: the plan waits for the first run, when the model is complete)."""
+  if state.parallel is not None:
+    return state.parallel.plan
+  if not any(op.type in VARIABLE_OPS for op in state.graph.get_operations()):
+    return None
+  return parallel_graph(state).plan
 
 
 def transform(state):

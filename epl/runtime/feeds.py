@@ -48,6 +48,7 @@ class FeedSplitter:
     self._trains_at = set(analysis.singletons) | {op for op in update if mutates(op)}
     self._trains = {}
     self._warned = set()          # fixed placeholders warned about (fed B rows: not split)
+    self.loose_split = []         # (name, rows, piece rows) of loose values the last run split
     worker = parallel.worker
     # copies that run with copy 0 in an evaluation run: its replica's others, when a split
     # TaskGraph gathers their rows
@@ -84,6 +85,22 @@ class FeedSplitter:
       self._trains[op] = found
     return self._trains[op]
 
+  def explain(self, error):
+    """``error`` (a TF error of a run this splitter split) with a note naming the loose values
+    (``[None]`` / no shape) it cut like the batch: a short vector of settings whose length
+    divides the batch's rows is one -- the error TF raises then points inside epl's copies."""
+    if not self.loose_split:
+      return error
+    what = "; ".join("%r (%d rows -> %s)" % (name, rows, "/".join(map(str, sizes)))
+                     for name, rows, sizes in self.loose_split)
+    note = ("\n[epl] this run split these values, fed to [None]-shaped (or shapeless) "
+            "placeholders with fewer rows than the batch, over the model copies and "
+            "micro-batches as batches: %s. If one is "
+            "not a batch (a vector of settings, class weights), declare its size, e.g. "
+            "tf.placeholder(tf.float32, [%d]): a value fed to a fixed size that it fills goes "
+            "whole to every copy" % (what, self.loose_split[0][1]))
+    return type(error)(error.node_def, error.op, error.message + note)
+
   # ---- the feeds ---------------------------------------------------------------------
   def _fed(self, feed_dict):
     return fed_tensors(self.graph, feed_dict)
@@ -96,12 +113,15 @@ class FeedSplitter:
       return self._with_partners(feed_dict)
     out = dict(feed_dict)
     weights = None
+    self.loose_split = []
     fed = [(t, v) for t, v in self._fed(feed_dict) if t.op in self._cloned]
     rule = BatchRule(self._batch, self.pieces, fed, self._warned)
     for tensor, value in fed:
       targets = self.clones.every(tensor)
       if rule.is_batch(tensor, value):
         pieces, sizes = self._pieces(tensor, value)
+        if _fixed(tensor) is None and rule.rows and _rows(value) < rule.rows:
+          self.loose_split.append((tensor.op.name, _rows(value), sizes))
         for target, piece in zip(targets, pieces):
           if target is not None:
             out[target] = piece

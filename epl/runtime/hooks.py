@@ -65,6 +65,8 @@ class Dispatcher:
     return mine
 
   def on_phase(self, graph, first, last, phase):
+    if self.state.parallel is not None:
+      _built_after_rewrite(phase)
     self.state.recorder.add_phase(first, last, phase)
 
   def on_apply(self, graph, grads_and_vars):
@@ -137,13 +139,18 @@ class Dispatcher:
     return pg
 
   def session_args(self, graph, target, config):
+    """The target and ConfigProto of a session on the managed graph. A session opened before
+    the model is built (``with tf.Session() as sess:`` first, as GPT-2 and DCGAN scripts do)
+    gets the settings the Config alone decides; the plan waits for the first run."""
     state = self.state
     remote = ()
-    plan = driver.parallel_graph(state).plan
+    plan = driver.session_plan(state)
     if state.server is not None:
       if not target:
         target = state.server.target        # the user's tf.Session() runs on this worker
-      remote = plan.for_worker(state.cluster.worker_index).remote_tasks()
+      index = state.cluster.worker_index
+      remote = plan.for_worker(index).remote_tasks() if plan is not None else \
+          [t for t in range(state.cluster.worker_num) if t != index]   # any may be used
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
@@ -218,7 +225,11 @@ class Dispatcher:
       return original(session, fetches, feed_dict, options, run_metadata)
     mode = feeds.mode(mapper.elements(fetches), feed_dict)
     mapped, writes = mapper.map(fetches, all_copies=mode == ALL)
-    result = original(session, mapped, feeds.split(feed_dict, mode), options, run_metadata)
+    split = feeds.split(feed_dict, mode)
+    try:
+      result = original(session, mapped, split, options, run_metadata)
+    except (tf.errors.InvalidArgumentError, tf.errors.OutOfRangeError) as e:
+      raise feeds.explain(e) from e
     sync = pg.replication.sync_op
     if writes and sync is not None:
       original(session, sync, options=options)
@@ -228,6 +239,20 @@ class Dispatcher:
 # a run TF rejects as a duplicate request runs again at most this many times (each rejection
 # is a fresh draw: three in a row do not happen by chance)
 RERUNS = 3
+
+
+def _built_after_rewrite(phase):
+  """A gradient or an optimizer built after the graph's first run (when epl rewrote it)."""
+  if phase == "apply":
+    raise RuntimeStateError(
+        "an optimizer's apply_gradients / minimize was called after the graph's first "
+        "Session.run, when epl already rewrote the graph for the model built until then: the "
+        "new train op would update the variables of model copy 0 only. Build every train op "
+        "before the first session.run (a session may be opened before the model; the rewrite "
+        "waits for the first run)")
+  log.warning("tf.gradients was called after the graph's first Session.run (when epl rewrote "
+              "it): the new gradients are computed on model copy 0 and its first "
+              "micro-batch only (as an evaluation op); build training ops before the first run")
 
 
 def _global_step(session, original):

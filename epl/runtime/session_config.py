@@ -11,6 +11,7 @@ def session_config(cluster, plan, config, user_config, remote_tasks=()):
     pool is kept: per-session pools cost ~100 us per step here (bench/overhead.py);
   * ``allow_soft_placement`` so that host-only kernels (input pipeline, savers) still place;
   * ``cluster.run_visible_devices`` -> ``gpu_options.visible_device_list``.
+  ``plan`` is None for a session opened before the model is built: the Config decides.
   """
   merged = tf.ConfigProto()
   if user_config is not None:
@@ -23,7 +24,8 @@ def session_config(cluster, plan, config, user_config, remote_tasks=()):
     merged.inter_op_parallelism_threads = max(merged.inter_op_parallelism_threads,
                                               2 * cluster.gpu_num_per_worker + 2)
   merged.allow_soft_placement = True
-  if plan.num_micro_batch > 1:
+  micro = plan.num_micro_batch if plan is not None else config.pipeline.num_micro_batch
+  if micro > 1:
     # Grappler's arithmetic optimizer folds the running sum of micro-batch gradients into one
     # AddN that waits for the last micro-batch, keeping all M weight gradients alive.
     from tensorflow.core.protobuf import rewriter_config_pb2

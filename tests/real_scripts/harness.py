@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.reference import race_free_step
 from epl.testing.values import load_values, read_values
 
 
@@ -63,10 +64,12 @@ def steps_of(rows_per_step, steps, last=None):
 
 
 def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=None,
-        after=None, config=None, seed=3, stage=None):
+        after=None, config=None, seed=3, stage=None, race_free=False, build=None):
   """Trains one step per row slice of ``batches``; ``feed(tensors)`` adds feeds to every step,
   ``after(sess, tensors)`` runs once training is done (evaluation, prediction); ``stage``: the
-  script's stage annotation under epl (default: ``replicate(1, name="stage_<i>")`` scopes)."""
+  script's stage annotation under epl (default: ``replicate(1, name="stage_<i>")`` scopes).
+  ``race_free``: the local run (no ``mode``) takes each step as all reads, then all updates
+  (``epl.testing.race_free_step``); ``build``: keyword arguments of ``script.build``."""
   run_stage = stage
   graph = tf.Graph()
   with graph.as_default():
@@ -78,7 +81,7 @@ def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=No
         epl.set_default_strategy(epl.replicate(1))
       else:
         stage = run_stage or (lambda i: epl.replicate(1, name="stage_%d" % i))  # noqa: E731
-    t = script.build(batch, stage)
+    t = script.build(batch, stage, **(build or {}))
     variables = tf.global_variables()
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
@@ -89,8 +92,12 @@ def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=No
       for rows in batches:
         feed_dict = {t["placeholders"][k]: v[rows] for k, v in data.items()}
         feed_dict.update(feed(t) if feed else {})
-        out = sess.run(dict(loss=t["loss"], train=t["train_op"],
-                            **{k: t[k] for k in extra}), feed_dict)
+        if race_free and mode is None:
+          out = race_free_step(sess, t["train_op"], feed_dict,
+                               dict(loss=t["loss"], **{k: t[k] for k in extra}))
+        else:
+          out = sess.run(dict(loss=t["loss"], train=t["train_op"],
+                              **{k: t[k] for k in extra}), feed_dict)
         losses.append(float(out["loss"]))
         fetched.append({k: out[k] for k in extra})
       final = read_values(sess, variables)
