@@ -8,6 +8,7 @@ five faults; then a GPT-2-style language model (tests/real_scripts/gpt2_lm.py) a
 differs.
 """
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from epl.testing import race_free_step, step_cut
 from epl.testing.values import load_values, read_values
 from tests.real_scripts import gan, gpt2_lm
 from tests.real_scripts.harness import MODES, Mode, assert_same_training, close, run, steps_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(build, config=None, initial=None, feeds=(), session_first=False, scopes=None):
@@ -403,3 +406,24 @@ def test_gan_with_two_optimizers_their_own_feeds_and_batch_norm(mode):
     close("loss per step", dist[0], local[0])
     for name, value in local[1].items():
       close("variable %s" % name, dist[1][name], value)
+
+
+def test_gpt2_style_lm_on_two_workers(tmp_path):
+  """2 workers x 1 device under epl-launch: each worker feeds its half of every step."""
+  from tests.test_multiworker import launch
+  workers, batch = 2, 4
+  rows = workers * batch
+  data = gpt2_lm.make_data(rows * LM_STEPS)
+  local = run(gpt2_lm, rows, data, steps_of(rows, LM_STEPS), race_free=True)
+  np.savez(tmp_path / "data.npz", **data)
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  worker = os.path.join(ROOT, "tests", "workers", "script_worker.py")
+  out = launch(["--num_workers", str(workers), "--gpu_per_worker", "1", "--log_dir",
+                str(tmp_path / "logs"), worker, str(tmp_path), "gpt2_lm", str(LM_STEPS),
+                str(batch)])
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(workers)]
+  close("loss per step", np.mean([r["__losses__"] for r in results], axis=0), local.losses)
+  for w, r in enumerate(results):
+    for name, value in local.variables.items():
+      close("worker %d: variable %s" % (w, name), r[name], value)
