@@ -1,8 +1,10 @@
 """``epl-launch``: start the workers, show their output, stop them all on any failure.
 
 Every worker runs in its own process group; the launcher returns only once every process of
-every group is gone. Workers get ``EPL_LAUNCH_PARENT_PID``: if the launcher itself is killed,
-epl stops them (epl.runtime.watchdog), and the direct child also gets SIGKILL from the kernel.
+every group is gone. If the launcher itself is killed, at any moment, its guard process
+(epl/launch/guard.py) ends every group; besides, the direct child gets SIGKILL from the
+kernel, and epl in each worker (``EPL_LAUNCH_PARENT_PID``) watches the launcher once
+``epl.init`` ran (epl.runtime.watchdog).
 
 With ``--max_restarts N`` a failed job is started again (every worker, fresh ports on
 localhost) and resumes from its last checkpoint, unless the failure would only repeat: a
@@ -47,6 +49,34 @@ def _die_with_parent():
     pass
 
 
+class Guard:
+  """The guard process (epl/launch/guard.py) that ends the workers if this launcher dies."""
+
+  def __init__(self):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+    self._proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, start_new_session=True)
+
+  def add(self, pgid):
+    self._send("group %d" % pgid)
+
+  def done(self):
+    """This launcher ends its job itself: the guard exits without touching anything."""
+    self._send("done")
+    try:
+      self._proc.stdin.close()
+      self._proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+      pass
+
+  def _send(self, line):
+    try:
+      self._proc.stdin.write((line + "\n").encode())
+      self._proc.stdin.flush()
+    except OSError:
+      pass
+
+
 def _group_alive(pgid):
   try:
     os.killpg(pgid, 0)
@@ -60,8 +90,9 @@ def _group_alive(pgid):
 class Job:
   """The running workers of this launcher."""
 
-  def __init__(self, specs, debug=False, out=None, status_files=None):
+  def __init__(self, specs, debug=False, out=None, status_files=None, guard=None):
     self.specs = {s.index: s for s in specs}
+    self.guard = guard                   # a Guard told of every worker's process group
     self.debug = debug
     self.out = out or sys.stdout
     self.status_files = status_files or {}   # index -> its launch.status_file
@@ -81,6 +112,8 @@ class Job:
                               stderr=subprocess.STDOUT, start_new_session=True,
                               preexec_fn=_die_with_parent)
       self.procs[spec.index] = proc
+      if self.guard is not None:
+        self.guard.add(proc.pid)           # its process group (start_new_session)
       t = threading.Thread(target=self._pump, args=(spec, proc), daemon=True)
       t.start()
       self._threads.append(t)
@@ -271,8 +304,9 @@ def main(argv=None):
   running = []
   signal.signal(signal.SIGINT, _raise_interrupted)
   signal.signal(signal.SIGTERM, _raise_interrupted)
+  guard = Guard()                # before any worker: a kill -9 of this launcher ends them too
   try:
-    return _run(settings, gpus, running)
+    return _run(settings, gpus, running, guard)
   except Interrupted as interrupt:
     for sig in (signal.SIGINT, signal.SIGTERM):    # a second Ctrl-C: the stop goes on
       signal.signal(sig, signal.SIG_IGN)
@@ -280,9 +314,13 @@ def main(argv=None):
       job.stop()
     print("epl-launch: interrupted (%s); all workers stopped" % interrupt, file=sys.stderr)
     return 128 + interrupt.signum
+  finally:
+    for job in running:          # an exception of the launcher's own: no worker outlives it
+      job.stop()
+    guard.done()
 
 
-def _run(settings, gpus, running):
+def _run(settings, gpus, running, guard=None):
   """Starts the job (again after a failure, within the restart budget) until it ends;
   ``running`` holds the current run's Job for ``main`` to stop on an interrupt."""
   budget = Restarts(settings.max_restarts, settings.restart_window)
@@ -295,7 +333,7 @@ def _run(settings, gpus, running):
     specs = worker_specs(settings, os.environ, gpus_on_host=gpus, launcher_pid=os.getpid(),
                          attempt=attempt)
     job = Job(specs, debug=settings.debug, status_files={
-        i: status_path(settings, i) for i in settings.local_ranks})
+        i: status_path(settings, i) for i in settings.local_ranks}, guard=guard)
     running[:] = [job]
     job.start()
 

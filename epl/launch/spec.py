@@ -121,6 +121,44 @@ def _port_range(text, fail):
   return low, high
 
 
+def _port_of(host, fail):
+  """The port of ``host`` ("name:port"), 1..65535, or ``fail``s naming it."""
+  text = host.rsplit(":", 1)[1]
+  if not text.isdigit() or not 1 <= int(text) <= 65535:
+    fail("--machine_list: %r has port %r; a port is a number from 1 to 65535" % (host, text))
+  return int(text)
+
+
+# what one local worker costs the launcher and the host, at least: file descriptors (its
+# output pipe, its log, a port probe) and memory (a process that imports TensorFlow)
+FDS_PER_WORKER = 4
+BYTES_PER_WORKER = 350 << 20
+
+
+def _fits_this_host(workers, fail, limits=None):
+  """Refuses a worker count this host cannot start: more open files than the launcher may
+  hold (``ulimit -n``), or more TensorFlow processes than its memory holds."""
+  if limits is None:
+    import resource
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+      memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+      memory = None
+  else:
+    files, memory = limits
+  if files != -1 and workers * FDS_PER_WORKER + 32 > files:
+    fail("--num_workers %d: the launcher would hold %d open files for them, over this "
+         "process's limit of %d (ulimit -n); start fewer workers per host, or raise the "
+         "limit" % (workers, workers * FDS_PER_WORKER + 32, files))
+  if memory and workers * BYTES_PER_WORKER > memory:
+    fail("--num_workers %d on this host: each worker imports TensorFlow (%d MiB or more), "
+         "%d GiB in all, over this host's %.1f GiB; start fewer workers per host "
+         "(--machine_list over several hosts)" % (
+             workers, BYTES_PER_WORKER >> 20, workers * BYTES_PER_WORKER >> 30,
+             memory / float(1 << 30)))
+
+
 def _launch_defaults(environ):
   """The launch.* Config keys (EPL_LAUNCH_* in the environment): defaults of the flags, for
   schedulers that start epl-launch themselves."""
@@ -157,7 +195,7 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
     first = port_range[0] if port_range else DEFAULT_PORT
     for i, item in enumerate(h.strip() for h in args.machine_list.split(",") if h.strip()):
       hosts.append(item if ":" in item else "%s:%d" % (item, first + i))
-      port = int(hosts[-1].rsplit(":", 1)[1])
+      port = _port_of(hosts[-1], fail)
       if port_range and not port_range[0] <= port <= port_range[1]:
         fail("--machine_list: port %d of %s is outside --port_range %d-%d" % (
             port, hosts[-1], *port_range))
@@ -166,9 +204,11 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
                                                                          args.num_workers))
     if len(set(hosts)) != len(hosts):
       fail("--machine_list repeats a host:port: %s" % ",".join(hosts))
+    _fits_this_host(1 if args.machine_rank is not None else args.num_workers, fail)
   else:
     if args.machine_rank is not None:
       fail("--machine_rank needs --machine_list (every worker must know every address)")
+    _fits_this_host(args.num_workers, fail)
     hosts = ["localhost:%d" % p for p in pick_ports(args.num_workers, port_range)]
   if args.machine_rank is not None and not 0 <= args.machine_rank < args.num_workers:
     fail("--machine_rank %d is out of range for %d worker(s)" % (args.machine_rank,

@@ -1,0 +1,114 @@
+"""The launcher's edges, with real processes, signals, files and ports (no mocks).
+
+Orphans at start-up, input the launcher must refuse at once; the others (exits, checkpoints,
+stalls, a foreign client) follow the same pattern: start a real job, do to it what a user or a
+machine does, read the console and the process table.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+TRAIN = os.path.join(WORKERS, "train_worker.py")
+ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+
+
+def _launch(args, env=None):
+  return subprocess.Popen([sys.executable, "-m", "epl.launch.cli"] + args, env=env or ENV,
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def _job_processes(job_id):
+  """Pids of live processes whose environment carries ``EPL_LAUNCH_JOB_ID=job_id``."""
+  mark = ("EPL_LAUNCH_JOB_ID=%s\0" % job_id).encode()
+  found = []
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open("/proc/%s/environ" % name, "rb") as f:
+        if mark not in f.read():
+          continue
+      with open("/proc/%s/stat" % name) as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+          continue
+    except OSError:
+      continue
+    found.append(int(name))
+  return found
+
+
+def _kill_all(pids):
+  for pid in pids:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except OSError:
+      pass
+
+
+# more workers than this host's memory holds (350 MiB each)
+MANY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (350 << 20) + 1
+
+ENTRIES = {
+    "python": [TRAIN],
+    "shell": [os.path.join(WORKERS, "via_bash.sh"), TRAIN],          # python as a grandchild
+}
+
+
+@pytest.mark.parametrize("moment", [0.5, 1, 2, 3, 5, "training"])
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_nothing_of_the_job_outlives_a_killed_launcher(tmp_path, entry, moment):
+  """kill -9 of epl-launch at any moment, the first second included, whatever the entry:
+  2 s later no process of the job is left (a shell entry's python used to move under PID 1
+  and train to the end when the launcher died before epl.init's barrier)."""
+  job = "orphans-" + uuid.uuid4().hex[:8]
+  launcher = _launch(["--num_workers", "2", "--gpu_per_worker", "1", "--job_id", job,
+                      "--log_dir", str(tmp_path / "logs")] + ENTRIES[entry] +
+                     [str(tmp_path / "ck"), str(tmp_path), "100000", "0.05"])
+  try:
+    if moment == "training":
+      seen, deadline = "", time.time() + 60
+      while "step 3" not in seen and time.time() < deadline:
+        seen += launcher.stdout.readline()
+      assert "step 3" in seen, seen[-2000:]
+    else:
+      time.sleep(moment)
+    assert launcher.poll() is None
+    launcher.kill()
+    launcher.wait()
+    time.sleep(2)
+    left = _job_processes(job)
+    assert not left, "%d process(es) of the job outlived the launcher by 2 s" % len(left)
+  finally:
+    _kill_all(_job_processes(job))
+    if launcher.poll() is None:
+      launcher.kill()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num_workers", "2", "--machine_list", "localhost:99999,localhost:2"],
+     "'localhost:99999' has port '99999'; a port is a number from 1 to 65535"),
+    (["--num_workers", "2", "--machine_list", "localhost:abc,localhost:2"],
+     "'localhost:abc' has port 'abc'; a port is a number from 1 to 65535"),
+    (["--num_workers", "100000"], "--num_workers 100000: the launcher would hold"),
+    (["--num_workers", str(MANY)], "--num_workers %d on this host: each worker imports "
+                                   "TensorFlow" % MANY),
+], ids=["port over 65535", "port not a number", "more workers than open files",
+        "more workers than memory"])
+def test_launcher_input_it_cannot_honour_is_refused_at_once_in_one_line(flags, message):
+  start = time.time()
+  env = dict(ENV)
+  out = subprocess.run([sys.executable, "-m", "epl.launch.cli"] + flags +
+                       [os.path.join(ROOT, "examples", "quickstart", "run.sh")], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0 and time.time() - start < 10
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and message in lines[0], out.stderr
+  assert "Traceback" not in out.stderr and not out.stdout
