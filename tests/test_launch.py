@@ -201,7 +201,7 @@ def test_a_restart_on_localhost_starts_every_worker_again_on_fresh_ports(monkeyp
   starts = []
 
   class FakeJob:
-    def __init__(self, specs, debug=False, status_files=None):
+    def __init__(self, specs, debug=False, status_files=None, guard=None):
       self.specs = {s.index: s for s in specs}
       self.failure = None
       starts.append(specs)
