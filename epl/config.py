@@ -153,6 +153,10 @@ KEYS = {k.name: k for k in [
     _k("log.progress_secs", "int", 30, minimum=0,
        help="worker 0 logs steps/s and samples/s of the parallel step this often (0: off)",
        unannotated=MOOT),
+    _k("log.stall_secs", "int", 60, minimum=1,
+       help="a multi-worker step running max(this, 10 x the median step) is reported as "
+            "stalled (by the worker and by epl-launch), before collective_timeout ends it",
+       unannotated=MOOT),
     _k("log.level", "str", "info", ("debug", "info", "warning", "error"),
        help="epl's own messages (plan, passes, collectives at debug); epl-launch --debug"),
 ]}

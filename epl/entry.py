@@ -4,6 +4,7 @@ collections and ``epl.Graph.get()``.
 This module (with the hook dispatcher it installs) is the only place that looks epl's state
 up through ``epl.Env``; it hands the recorder and the graph state to everything below.
 """
+import atexit
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from epl.collections_api import check_key
 from epl.config import Config
 from epl.env import Env
 from epl.errors import RuntimeStateError
-from epl.runtime import driver, watchdog
+from epl.runtime import driver, heartbeat, watchdog
 from epl.runtime.hooks import Dispatcher
 from epl.runtime.state import GraphState
 
@@ -85,8 +86,21 @@ def init(config=None):
   activate(state)
   if config.launch.parent_pid:
     watchdog.watch_launcher(config.launch.parent_pid)
+  if cluster.distributed:
+    _watch_exit(state)
   log.debug("epl.init: %s, %r", cluster, config)
   return Env.get()
+
+
+def _watch_exit(state):
+  """A multi-worker worker's steps and its end, as its launcher and peers see them
+  (epl.runtime.heartbeat): the step counter the step runs drive, the exit code Python knows
+  (a failed worker skips the farewell that waits for its peers), an ``ended`` event."""
+  path = state.config.launch.status_file
+  state.exits = heartbeat.ExitCode().install()
+  state.heartbeat = heartbeat.Heartbeat(path, floor=state.config.log.stall_secs)
+  beat, exits = state.heartbeat, state.exits
+  atexit.register(lambda: beat.ended(exits.code or 0))
 
 
 # (is it on, put it in -> None or why not, the warning when it could not) per hook below Python

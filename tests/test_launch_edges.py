@@ -5,6 +5,7 @@ stalls, a foreign client) follow the same pattern: start a real job, do to it wh
 machine does, read the console and the process table.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,3 +113,56 @@ def test_launcher_input_it_cannot_honour_is_refused_at_once_in_one_line(flags, m
   lines = [line for line in out.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and message in lines[0], out.stderr
   assert "Traceback" not in out.stderr and not out.stdout
+
+
+EXIT = os.path.join(WORKERS, "exit_worker.py")
+
+
+@pytest.mark.parametrize("how,says", [
+    ("exit3", "worker 1 failed (exit code 3) at step 30, the first worker to end"),
+    ("os_exit", "worker 1 failed (exit code 4) at step 30, the first worker to end"),
+    ("kill", "worker 1 failed (killed by SIGKILL) at step 30, the first worker to end"),
+    ("return", "worker 1 ended its script (exit code 0) at step 30 while worker 0 waits in "
+               "step 31 for it"),
+])
+def test_any_worker_exit_ends_the_job_within_10_s_naming_it(tmp_path, how, says):
+  """sys.exit(3) used to hang the job for 60 s in the farewell, then blame the other worker
+  with a hint about TF's request ids."""
+  out = subprocess.run([sys.executable, "-m", "epl.launch.cli", "--num_workers", "2",
+                        "--log_dir", str(tmp_path), EXIT, "1", "30", how], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  ended = time.time()
+  text = out.stdout + out.stderr
+  assert out.returncode == 1, text[-3000:]
+  assert says in text, text[-3000:]
+  assert "request" not in text and "duplicate" not in text
+  mark = [line for line in out.stdout.splitlines() if "worker 1 ends (%s)" % how in line]
+  left_at = float(mark[0].rsplit(" at ", 1)[1])
+  assert ended - left_at < 10, "the job ended %.1f s after worker 1 left" % (ended - left_at)
+
+
+def test_a_frozen_worker_is_reported_with_what_its_process_does(tmp_path):
+  """SIGSTOP of one worker: before the collective timeout the console says which worker the
+  job waits for and that its process is stopped (nothing was said for 5 minutes)."""
+  env = dict(ENV, EPL_LOG_STALL_SECS="4", EPL_COMMUNICATION_COLLECTIVE_TIMEOUT="40")
+  launcher = _launch(["--num_workers", "2", "--log_dir", str(tmp_path), EXIT, "1", "30",
+                      "stop"], env=env)
+  seen, deadline = "", time.time() + 50
+  try:
+    while "no step finished" not in seen and time.time() < deadline:
+      line = launcher.stdout.readline()
+      if not line:
+        break
+      seen += line
+    assert "no step finished for" in seen, seen[-3000:]
+    report = [line for line in seen.splitlines() if "no step finished" in line][0]
+    # (worker 0 may still wait in step 30: its ring all-reduce fetches from the frozen
+    # worker's server, which SIGSTOP froze too)
+    assert re.search(r"worker 0 waits in step 3[01]; worker 1 \(pid \d+\): stopped "
+                     r"\(SIGSTOP\), after step 30", report), report
+  finally:
+    launcher.terminate()
+    try:
+      launcher.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+      launcher.kill()

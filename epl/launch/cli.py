@@ -99,7 +99,10 @@ class Job:
     self.procs = {}
     self.exits = []                      # (time, index, code) in the order workers ended
     self.failure = None                  # (index, code) of the first worker that failed
+    self.reason = ""                     # why the job was stopped, when no worker failed
     self.stopping = False
+    self._stalls = set()                 # (worker, step) stalls already reported
+    self._checked = 0.0
     self._threads = []
     self._print_lock = threading.Lock()
 
@@ -179,6 +182,9 @@ class Job:
             on_status(index, event)
           seen[index] = len(events)
       failed = [(i, c) for _, i, c in self.exits if c != 0]
+      if not failed and time.time() - self._checked >= 1.0:
+        self._checked = time.time()
+        failed = self._check_steps()
       if failed:
         self.failure = failed[0]
         self.stop()
@@ -187,6 +193,54 @@ class Job:
         self.reap()
         return 0
       time.sleep(poll)
+
+  # ---- what the workers' steps say (epl.runtime.heartbeat) -------------------------------
+  def _beats(self):
+    return {i: status.read_beat(path) for i, path in self.status_files.items()}
+
+  def _check_steps(self, now=None):
+    """About once a second: reports a stalled step (once per worker and step), and ends a job
+    whose worker left its script (exit code 0) while another waits in a step for it.
+    Returns [(index, code)] of a worker to blame, or []."""
+    now = time.time() if now is None else now
+    beats = self._beats()
+    for i, beat in sorted(beats.items()):
+      if not beat or beat.get("since") is None:
+        continue
+      waited = now - beat["since"]
+      for j, path in sorted(self.status_files.items()):
+        left = status.last(path, status.ENDED)
+        if j != i and left is not None and not left.get("code") and beat["training"] and \
+            beat["steps"] >= left.get("steps", 0) and waited > LEFT_WAIT:
+          self.reason = ("worker %d ended its script (exit code 0) at step %s while worker %d "
+                         "waits in step %d for it" % (j, left.get("steps"), i,
+                                                      beat["steps"] + 1))
+          return [(j, 0)]
+      # (the first step compiles the graph: it may take minutes, and proves nothing)
+      if beat["steps"] and waited > beat.get("limit", 60.0) and \
+          (i, beat["steps"]) not in self._stalls:
+        self._stalls.add((i, beat["steps"]))
+        self._say(self._stall_report(i, beat, waited, beats))
+    return []
+
+  def _stall_report(self, index, beat, waited, beats):
+    others = []
+    for j in sorted(beats):
+      if j == index:
+        continue
+      other = beats[j] or {}
+      pid = other.get("pid") or self.procs[j].pid
+      state = process_state(pid)
+      step = other.get("steps")
+      where = ("in step %d for %.0f s" % (step + 1, time.time() - other["since"])
+               if other.get("since") is not None else
+               "after step %s" % step if step is not None else "before its first step")
+      others.append("worker %d (pid %d): %s, %s" % (j, pid, state, where))
+    return ("epl-launch: no step finished for %.0f s (the stall limit is %.0f s): worker %d "
+            "waits in step %d%s. communication.collective_timeout ends the job if it does not "
+            "move" % (waited, beat.get("limit", 60.0), index, beat["steps"] + 1,
+                      "; " + "; ".join(others) if others else
+                      "; its peers run under other launchers (see their consoles)"))
 
   def ran(self):
     """True when a worker of this run started training (its first step ran)."""
@@ -200,16 +254,40 @@ class Job:
     except OSError:
       return "(no log)"
 
+  def step_of(self, index):
+    """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""
+    path = self.status_files.get(index)
+    left = status.last(path, status.ENDED) if path else None
+    beat = status.read_beat(path) if path else None
+    steps = left.get("steps") if left else beat.get("steps") if beat else None
+    return " at step %d" % steps if steps is not None else ""
+
   def summary(self):
     """What the console shows of the failure: the first failed worker's traceback."""
     index, code = self.failure
     others = [i for _, i, c in self.exits if i != index and c != 0]
-    return ("epl-launch: worker %d failed (%s); stopped the other workers%s.\n"
+    what = self.reason or "worker %d failed (%s)%s, the first worker to end" % (
+        index, describe_exit(code), self.step_of(index))
+    return ("epl-launch: %s; stopped the other workers%s.\n"
             "--- worker %d (%s) ---\n%s\n" % (
-                index, describe_exit(code),
-                " (%s then failed too)" % ", ".join("worker %d" % i for i in others) if others
-                else "", index, self.specs[index].log_path,
+                what, " (%s then failed too)" % ", ".join("worker %d" % i for i in others)
+                if others else "", index, self.specs[index].log_path,
                 last_traceback(self.log_text(index))))
+
+
+LEFT_WAIT = 5.0     # seconds a worker may wait in a step for a peer that left its script
+
+
+def process_state(pid):
+  """What a process is doing, from /proc: running, sleeping, stopped (SIGSTOP), gone..."""
+  try:
+    with open("/proc/%d/stat" % pid) as f:
+      code = f.read().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return "gone"
+  return {"R": "running", "S": "running (waiting)", "D": "in uninterruptible I/O",
+          "T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "gone (exited)",
+          "X": "gone"}.get(code, "state %s" % code)
 
 
 # errors that a restart would only repeat: the script, its Config or its annotations are wrong

@@ -17,6 +17,7 @@ import time
 import tensorflow.compat.v1 as tf
 
 from epl.errors import EplError
+from epl.launch import status
 
 log = logging.getLogger("epl")
 
@@ -102,13 +103,27 @@ def essence(error):
   return lines[0][:300] if lines else type(error).__name__
 
 
-def peer_error(error, cluster, timeout):
+def _ended(status_file, worker):
+  """"worker 1 ended (exit code 3) at step 50" when that worker's ``ended`` event lies beside
+  this worker's status file (the same epl-launch started both), else ""."""
+  event = status.last(status.sibling(status_file, worker), status.ENDED) \
+      if status_file else None
+  if event is None:
+    return ""
+  return "worker %d ended (exit code %s) at step %s" % (worker, event.get("code"),
+                                                      event.get("steps"))
+
+
+def peer_error(error, cluster, timeout, status_file=""):
   """The PeerError that explains ``error`` (a TF error of a step with collectives)."""
   me = cluster.worker_index
   peers = [(w, h) for w, h in enumerate(cluster.worker_hosts) if w != me]
   gone = [(w, h) for w, h in peers if not reachable(h)]
   first = essence(error)
-  if gone:
+  ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
+  if ended:
+    what = "; ".join(ended)
+  elif gone:
     what = "lost worker %s: %s no longer accept%s connections" % (
         ", ".join(str(w) for w, _ in gone), ", ".join(h for _, h in gone),
         "s" if len(gone) == 1 else "")
@@ -139,9 +154,13 @@ class PeerWatch:
   unwind it). Short steps never trigger a check.
   """
 
-  def __init__(self, cluster, timeout, check_after=5.0, interval=1.0, exit_fn=os._exit):
+  def __init__(self, cluster, timeout, check_after=5.0, interval=1.0, exit_fn=os._exit,
+               beat=None, status_file=""):
     self._cluster = cluster
     self._timeout = timeout
+    self._beat = beat                     # epl.runtime.heartbeat.Heartbeat, ticked here
+    self.training = False                 # the runs to come train (the beat counts them)
+    self._status_file = status_file
     self._check_after = check_after
     self._interval = interval
     self._exit = exit_fn
@@ -150,6 +169,8 @@ class PeerWatch:
 
   def __enter__(self):
     self._since = time.time()
+    if self._beat is not None:
+      self._beat.begin(self.training)
     if self._thread is None:
       self._thread = threading.Thread(target=self._watch, name="epl-peer-watch", daemon=True)
       self._thread.start()
@@ -157,7 +178,18 @@ class PeerWatch:
 
   def __exit__(self, *exc):
     self._since = None
+    if self._beat is not None:
+      self._beat.end(self.training)
     return False
+
+  def describe_peers(self):
+    """Which peers accept connections now (for a stall report)."""
+    me = self._cluster.worker_index
+    peers = [(w, h) for w, h in enumerate(self._cluster.worker_hosts) if w != me]
+    gone = [w for w, h in peers if not reachable(h)]
+    return "peers accepting connections: %s%s" % (
+        ", ".join("worker %d" % w for w, _ in peers if w not in gone) or "none",
+        "; not: %s" % ", ".join("worker %d" % w for w in gone) if gone else "")
 
   def _gone(self):
     me = self._cluster.worker_index
@@ -167,6 +199,8 @@ class PeerWatch:
     missing = set()
     while True:
       time.sleep(self._interval)
+      if self._beat is not None:
+        self._beat.tick(self.describe_peers)
       since = self._since
       if since is None or time.time() - since < self._check_after:
         missing = set()
@@ -174,7 +208,7 @@ class PeerWatch:
       gone = set(self._gone())
       if gone & missing:
         error = peer_error(tf.errors.UnavailableError(None, None, "the step waits on it"),
-                           self._cluster, self._timeout)
+                           self._cluster, self._timeout, self._status_file)
         log.error("%s", error)
         for handler in log.handlers:
           handler.flush()

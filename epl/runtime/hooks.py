@@ -35,6 +35,7 @@ class Dispatcher:
     self._progress = None         # Progress once rewritten (worker 0, log.progress_secs > 0)
     self._check = None            # (check op, its step detector) until the first step ran
     self._peers = None            # faults.PeerWatch of a multi-worker job
+    self._trains = None           # its step detector: which runs train (the steps it counts)
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
     self._status = None           # a step detector until the first training step ran, when
@@ -198,7 +199,11 @@ class Dispatcher:
     if plan.worker_num == 1:
       return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
     if self._peers is None:
-      self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout)
+      self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout,
+                                     beat=state.heartbeat,
+                                     status_file=state.config.launch.status_file)
+      self._trains = Progress(pg, 0)
+    self._peers.training = self._trains.trains_fetches(session.graph, fetches)
 
     def one_run(*args, **kwargs):
       """One TF run; a run TF rejects as a duplicate request runs again (nothing of it ran)."""
@@ -209,7 +214,8 @@ class Dispatcher:
     except (faults.LOST + (tf.errors.InternalError,)) as e:
       if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
         raise
-      error = faults.peer_error(e, state.cluster, plan.communication.timeout)
+      error = faults.peer_error(e, state.cluster, plan.communication.timeout,
+                                state.config.launch.status_file)
       log.error("%s", error)
       raise error from e
 

@@ -6,7 +6,8 @@ away. Without it the first client to finish its last step could exit while a pee
 pulls that step's last collective chunk from it, and the peer's step would fail with "lost
 worker". A worker that completed the barrier knows every client has finished its steps; the
 barrier's own last pull may then fail on a peer that exits first, which is harmless and
-ignored. A process that ends with an uncaught exception skips it (its peers are failing too).
+ignored. A process that ends with an uncaught exception or ``sys.exit(n)``, n != 0, skips it
+(its peers are failing too, or must learn at once that it is gone).
 
 A worker that holds no model replica's first stage only serves its devices to the clients:
 its script stops in ``serve`` until the clients are gone. A client says goodbye when its
@@ -16,7 +17,6 @@ said goodbye, and otherwise stops with an error naming the client it lost.
 """
 import atexit
 import logging
-import sys
 import time
 
 import tensorflow.compat.v1 as tf
@@ -59,16 +59,12 @@ def arrange_exit(state, plan):
         tf.control_dependencies(None):
       goodbye = tf.group(*[tf.assign(_flag(state.cluster.host(w), me), True,
                                      validate_shape=False) for w in servers_only])
-  failed = []
-  previous_hook = sys.excepthook
-
-  def excepthook(kind, value, tb):
-    failed.append(kind)
-    previous_hook(kind, value, tb)
-  sys.excepthook = excepthook
+  exits = state.exits              # epl.runtime.heartbeat.ExitCode (epl.init installed it)
 
   def on_exit():
-    if failed:
+    if state.heartbeat is not None:          # before the farewell: the launcher reads it
+      state.heartbeat.ended(exits.code or 0)
+    if exits is not None and exits.failed:   # an exception, sys.exit(n != 0): no farewell
       return
     if len(clients) > 1 and 0 in clients:        # task 0 leads every collective group
       try:

@@ -20,6 +20,8 @@ class GraphState:
     self.server = None          # this worker's tf.train.Server in a multi-worker job
     self.fetch_mapper = None    # epl.runtime.fetch.FetchMapper when copies merge
     self.feeds = None           # epl.runtime.feeds.FeedSplitter alongside it
+    self.heartbeat = None       # epl.runtime.heartbeat.Heartbeat of a multi-worker worker
+    self.exits = None           # epl.runtime.heartbeat.ExitCode alongside it
 
   def bind(self, graph):
     """Manages ``graph`` from now on (before anything was recorded for another one)."""
