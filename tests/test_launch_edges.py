@@ -166,3 +166,82 @@ def test_a_frozen_worker_is_reported_with_what_its_process_does(tmp_path):
       launcher.communicate(timeout=30)
     except subprocess.TimeoutExpired:
       launcher.kill()
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+def _train(tmp_path, steps, workers=1, env=None, logs="logs"):
+  """Trains tests/workers/train_worker.py (a checkpoint every 2 steps) under epl-launch."""
+  return subprocess.run([sys.executable, "-m", "epl.launch.cli", "--num_workers", str(workers),
+                         "--log_dir", str(tmp_path / logs), TRAIN, str(tmp_path / "ck"),
+                         str(tmp_path), str(steps), "0"], env=dict(ENV, **(env or {})),
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def _started_at(out):
+  found = re.findall(r"worker 0 starts at step (\d+)", out.stdout)
+  assert found, out.stdout[-3000:] + out.stderr[-3000:]
+  return int(found[0])
+
+
+def test_checkpoints_without_a_state_file_are_resumed_from_not_trained_over(tmp_path):
+  """Deleting the state file ('checkpoint') used to restart training from step 0 over the old
+  checkpoints; now the newest that reads back is resumed from, with a warning."""
+  first = _train(tmp_path, 8)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  os.remove(tmp_path / "ck" / "checkpoint")
+  again = _train(tmp_path, 10, logs="logs2")
+  text = again.stdout + again.stderr + open(tmp_path / "logs2" / "worker_0.log").read()
+  assert again.returncode == 0, text[-3000:]
+  assert _started_at(again) == 8
+  assert "has no readable state file ('checkpoint'), but holds" in text and \
+      "resuming from model.ckpt-8, the newest that reads back" in text, text[-3000:]
+
+
+def test_a_directory_whose_checkpoints_all_fail_to_read_stops_with_its_name(tmp_path):
+  first = _train(tmp_path, 4)
+  assert first.returncode == 0
+  os.remove(tmp_path / "ck" / "checkpoint")
+  for data in (tmp_path / "ck").glob("*.data-*"):
+    data.write_bytes(data.read_bytes()[:10])
+  again = _train(tmp_path, 6, logs="logs2")
+  text = again.stdout + again.stderr
+  assert again.returncode == 1
+  assert "CheckpointError: %s holds" % (tmp_path / "ck") in text and \
+      "epl does not train over them from step 0" in text, text[-3000:]
+
+
+def test_a_truncated_newest_checkpoint_gives_way_to_the_one_before(tmp_path):
+  """The newest .data file cut short: the restore used to fail on every start naming no
+  file (OutOfRangeError); now the job resumes from the checkpoint before, naming both."""
+  first = _train(tmp_path, 8, workers=2)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  data = next((tmp_path / "ck").glob("model.ckpt-8.data-*"))
+  data.write_bytes(data.read_bytes()[:len(data.read_bytes()) // 2])
+  again = _train(tmp_path, 10, workers=2, logs="logs2")
+  text = again.stdout + again.stderr + open(tmp_path / "logs2" / "worker_0.log").read()
+  assert again.returncode == 0, text[-3000:]
+  assert _started_at(again) == 6
+  assert "checkpoint %s does not restore" % (tmp_path / "ck" / "model.ckpt-8") in text and \
+      "resuming from model.ckpt-6 instead of model.ckpt-8, which does not restore" in text, \
+      text[-3000:]
+
+
+def test_a_full_disk_names_the_checkpoint_path_and_leaves_no_temp_folder(tmp_path):
+  mount = tmp_path / "small"
+  mount.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                    capture_output=True).returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    out = subprocess.run([sys.executable, "-m", "epl.launch.cli", "--log_dir",
+                          str(tmp_path / "logs"), TRAIN, str(mount / "ck"), str(tmp_path), "4",
+                          "0"], env=dict(ENV, TEST_EXTRA_PARAMS="2000000"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert "saving a checkpoint to %s failed (its partial files are removed)" % (
+        mount / "ck" / "model.ckpt") in text, text[-3000:]
+    left = [p.name for p in (mount / "ck").iterdir()]
+    assert not [name for name in left if "_temp" in name or "tempstate" in name], left
+  finally:
+    subprocess.run(["umount", str(mount)], capture_output=True)

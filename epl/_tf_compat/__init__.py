@@ -3,13 +3,15 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * eleven hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
+  * thirteen hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
     receives their events (epl.runtime.hooks) and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
     ======================================  ==================================================
     hooked function                          why
     ======================================  ==================================================
+    op_def_library._apply_op_helper          epl.split: an op built in a split scope is built
+                                             per part by its split rule (epl.sharding.rules)
     gradients_util._GradientsHelper          force ``colocate_gradients_with_ops=True`` so each
                                              gradient op is attributable to its forward op;
                                              record the ids of the backward ops and the raw
@@ -26,11 +28,18 @@ Two kinds of things live here:
                                              refuse a graph annotated elsewhere (never silently
                                              local)
     training.saver.Saver.save                only the chief writes checkpoints, even when every
-                                             worker's script passes is_chief=True
+                                             worker's script passes is_chief=True; a failed
+                                             save (a full disk) leaves no partial files and
+                                             names the path
     training.saver.Saver.restore             a checkpoint written without epl's own state
                                              (AMP's loss scale: ``epl_*`` variables) restores,
                                              that state starting afresh (a job resumed with
                                              AMP turned on)
+    training.session_manager                MonitoredTrainingSession's restore: a directory
+      .SessionManager._restore_checkpoint    without a readable state file resumes from its
+                                             newest good checkpoint, a checkpoint that does
+                                             not restore gives way to the newest older one
+                                             (epl.runtime.checkpoints)
     summary.writer.FileWriter.add_event      only the chief writes summaries (add_summary
       and ._add_event                        and friends go through _add_event)
     from_tensor_slices_op                    io.slicing: a constant list of file names (the
@@ -69,6 +78,8 @@ from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
 from tensorflow.python.training import checkpoint_utils as _checkpoint_utils
 from tensorflow.python.training import saver as _saver
+from tensorflow.python.training import session_manager as _session_manager
+from tensorflow.python.framework import errors as _errors
 
 from epl._tf_compat import native
 from epl._tf_compat.native import (  # noqa: F401
@@ -206,38 +217,76 @@ def _session_run_hook(original):
 
 def _saver_save_hook(original):
   def save(self, sess, save_path, *args, **kwargs):
-    if _manages(sess.graph) and not _listener.is_chief(sess.graph):
+    if not _manages(sess.graph):
+      return original(self, sess, save_path, *args, **kwargs)
+    if not _listener.is_chief(sess.graph):
       return save_path                     # the chief writes the shared checkpoint
-    return original(self, sess, save_path, *args, **kwargs)
+    try:
+      return original(self, sess, save_path, *args, **kwargs)
+    except _errors.OpError as e:           # a full disk: no half-written checkpoint stays
+      raise _listener.save_failed(save_path, e) from e
   return save
 
+
+def _restore_checkpoint_hook(original):
+  """SessionManager._restore_checkpoint (MonitoredTrainingSession's restore from its
+  checkpoint_dir): the directory's state is checked first, and a checkpoint that does not
+  restore gives way to the newest older one (epl.runtime.checkpoints)."""
+  signature = inspect.signature(original)
+
+  def restore_checkpoint(self, *args, **kwargs):
+    directory = signature.bind(self, *args, **kwargs).arguments.get("checkpoint_dir")
+    if not directory or not _manages(self._graph):  # pylint: disable=protected-access
+      return original(self, *args, **kwargs)
+    _listener.before_restore(directory)
+    while True:
+      try:
+        return original(self, *args, **kwargs)
+      except _RESTORE_FAILURES as e:
+        _listener.restore_failed(directory, e)     # points at an older one, or raises
+  return restore_checkpoint
+
+
+# what a checkpoint that does not read back raises when restored
+_RESTORE_FAILURES = (_errors.DataLossError, _errors.OutOfRangeError, _errors.NotFoundError)
 
 OWN_STATE = "epl_"        # name prefix of the variables epl itself adds (AMP's loss scale)
 
 
 def _saver_restore_hook(original):
   def restore(self, sess, save_path):
-    if not save_path or not _manages(sess.graph) or self._var_list is None:  # pylint: disable=protected-access
+    if not save_path or not _manages(sess.graph):
       return original(self, sess, save_path)
-    graph = sess.graph
-    saved = {name for name, _ in _checkpoint_utils.list_variables(save_path)}
-    missing = [v for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES)
-               if v.op.name.startswith(OWN_STATE) and v.op.name not in saved]
-    if not missing:
-      return original(self, sess, save_path)
-    names = {v.op.name for v in missing}
-    listed = self._var_list  # pylint: disable=protected-access
-    keep = {k: v for k, v in listed.items() if k not in names} if isinstance(listed, dict) \
-        else [v for v in listed if getattr(getattr(v, "op", None), "name", None) not in names]
-    with unfinalized(graph), graph.as_default():
-      partial = _saver.Saver(var_list=keep, sharded=self._sharded)  # pylint: disable=protected-access
-      fresh = _variables.variables_initializer(missing)
-    # unhooked and first: the restore's replica sync (after it) reads every variable
-    _ORIGINALS[(_session.BaseSession, "run")](sess, fresh)
-    result = original(partial, sess, save_path)
-    _listener.restored_without(sorted(names), save_path)
-    return result
+    try:
+      return _restore(original, self, sess, save_path)
+    except _RESTORE_FAILURES as e:               # TF's message names no file
+      raise type(e)(e.node_def, e.op, "restoring checkpoint %s failed: %s" % (
+          save_path, e.message)) from e
   return restore
+
+
+def _restore(original, self, sess, save_path):
+  """Saver.restore on the managed graph (see _saver_restore_hook)."""
+  if self._var_list is None:  # pylint: disable=protected-access
+    return original(self, sess, save_path)
+  graph = sess.graph
+  saved = {name for name, _ in _checkpoint_utils.list_variables(save_path)}
+  missing = [v for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES)
+             if v.op.name.startswith(OWN_STATE) and v.op.name not in saved]
+  if not missing:
+    return original(self, sess, save_path)
+  names = {v.op.name for v in missing}
+  listed = self._var_list  # pylint: disable=protected-access
+  keep = {k: v for k, v in listed.items() if k not in names} if isinstance(listed, dict) \
+      else [v for v in listed if getattr(getattr(v, "op", None), "name", None) not in names]
+  with unfinalized(graph), graph.as_default():
+    partial = _saver.Saver(var_list=keep, sharded=self._sharded)  # pylint: disable=protected-access
+    fresh = _variables.variables_initializer(missing)
+  # unhooked and first: the restore's replica sync (after it) reads every variable
+  _ORIGINALS[(_session.BaseSession, "run")](sess, fresh)
+  result = original(partial, sess, save_path)
+  _listener.restored_without(sorted(names), save_path)
+  return result
 
 
 def _add_event_hook(original):
@@ -352,6 +401,7 @@ _HOOKS = (
     (_session.BaseSession, "run", _session_run_hook),
     (_saver.Saver, "save", _saver_save_hook),
     (_saver.Saver, "restore", _saver_restore_hook),
+    (_session_manager.SessionManager, "_restore_checkpoint", _restore_checkpoint_hook),
     (_writer.FileWriter, "add_event", _add_event_hook),
     (_writer.FileWriter, "_add_event", _add_event_hook),
     (_slices._TensorSliceDataset, "__init__", _slices_hook),  # pylint: disable=protected-access

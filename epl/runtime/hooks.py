@@ -17,7 +17,7 @@ from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
 from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
-from epl.runtime import driver, faults, serve
+from epl.runtime import checkpoints, driver, faults, serve
 from epl.runtime.feeds import ALL
 from epl.runtime.progress import Progress
 from epl.runtime.session_config import session_config
@@ -49,6 +49,15 @@ class Dispatcher:
     if graph is not None and not self.manages(graph):
       return True
     return self.state.cluster.worker_index == 0
+
+  def before_restore(self, directory):
+    checkpoints.before_restore(directory)
+
+  def restore_failed(self, directory, error):
+    checkpoints.after_failed_restore(directory, error)
+
+  def save_failed(self, path, error):
+    return checkpoints.after_failed_save(path, error)
 
   def restored_without(self, names, path):
     log.info("the checkpoint %s has no %s (written without the feature that keeps it): "
