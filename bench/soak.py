@@ -20,6 +20,9 @@ epl-launch starts it):
             reach ``--target-steps`` (global_step) before ``--deadline``, with one restart per
             kill (not in the default --cases: run it by name). ``--kill-at-steps 1000,2000``
             kills once global_step passes each step instead: the same kills at any speed
+  restart2x1trunc  restart2x1, and before each restart the newest checkpoint's .data file is
+            cut in half (a disk that failed mid-write): every restart must resume from the
+            checkpoint before it (epl.runtime.checkpoints), never from the truncated one
 What every script does while it trains (tf.layers MLP, dataset iterator,
 MonitoredTrainingSession): a checkpoint every ``--checkpoint-secs`` by the chief, summaries
 every 100 steps, an evaluation pass (20 batches of another iterator) every ``--eval-every``
@@ -65,6 +68,7 @@ CASES = {                   # name: (workers, devices per worker, epl config)
     "restart2x1": (2, 1, {}),      # started by epl-launch --max_restarts (drive_restarts)
 }
 RESTART_CASE = "restart2x1"
+TRUNCATED_CASE = "restart2x1trunc"     # restart2x1 with the newest checkpoint truncated
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -130,7 +134,12 @@ def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir,
   import tensorflow.compat.v1 as tf
   tf.disable_v2_behavior()
   import epl
-  _, _, config = CASES[case]
+  _, _, config = CASES[RESTART_CASE if case == TRUNCATED_CASE else case]
+  if case == TRUNCATED_CASE and os.environ.get("EPL_LAUNCH_ATTEMPT", "0") != "0" and \
+      os.environ.get("EPL_LAUNCH_WORKER_INDEX") == "0":
+    # the restarted chief, before its session restores: the newest checkpoint cut short (a
+    # disk that failed mid-write); the driver reads this line
+    print("soak: truncated checkpoint %s" % _truncate_newest(checkpoint_dir), flush=True)
   rejections = _Rejections()
   logging.getLogger("epl").addHandler(rejections)
   env = epl.init(epl.Config(config))
@@ -208,17 +217,46 @@ def worker(case, seconds, interval, checkpoint_secs, eval_every, checkpoint_dir,
 
 
 # ---- the restart case: epl-launch --max_restarts, a worker killed every --kill-every s ------
-def drive_restarts(args, scratch):
-  """Runs ``restart2x1`` to ``--target-steps``; returns its report."""
+def _truncate_newest(ckpt):
+  """Cuts the newest checkpoint's .data file in half; returns its step (None: none there)."""
+  import glob
+  import re
+  steps = [(int(m.group(1)), path) for path in glob.glob(os.path.join(ckpt, "*.data-*"))
+           for m in [re.search(r"ckpt-(\d+)\.data", path)] if m]
+  if not steps:
+    return None
+  step, path = max(steps)
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[:len(data) // 2])
+  return step
+
+
+def _logs_text(scratch):
+  logs = os.path.join(scratch, "restart_logs")
+  try:
+    names = os.listdir(logs)
+  except OSError:
+    return ""
+  return "".join(open(os.path.join(logs, f), errors="replace").read() for f in names
+                 if f.endswith(".log"))
+
+
+def drive_restarts(args, scratch, truncate=False):
+  """Runs ``restart2x1`` to ``--target-steps`` (``truncate``: restart2x1trunc); returns its
+  report."""
   import random
   import re
   import signal
   ckpt = os.path.join(scratch, "restart2x1")
+  truncated = []
   argv = [sys.executable, "-m", "epl.launch.cli", "--num_workers", "2", "--max_restarts",
           str(RESTARTS_PER_WINDOW), "--restart_window",
           str(int(round(KILLS_PER_WINDOW * args.kill_every))), "--log_dir",
           os.path.join(scratch, "restart_logs"), os.path.abspath(__file__), "--role", "worker",
-          "--cases", "restart2x1", "--target-steps", str(args.target_steps), "--interval",
+          "--cases", TRUNCATED_CASE if truncate else RESTART_CASE, "--target-steps",
+          str(args.target_steps), "--interval",
           str(args.interval), "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every",
           str(args.eval_every), "--checkpoint-dir", ckpt]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
@@ -239,6 +277,9 @@ def drive_restarts(args, scratch):
         fresh[0] = len(samples)
       if line.startswith("[0] {") and '"sample"' in line:
         samples.append(json.loads(line[4:]))
+      found = re.search(r"soak: truncated checkpoint (\S+)", line)
+      if found:
+        truncated.append(None if found.group(1) == "None" else int(found.group(1)))
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
   # The clock of the next kill starts when the (re)started job trains again: a fixed schedule
@@ -284,7 +325,10 @@ def drive_restarts(args, scratch):
     problems.append("global_step %d of %d not reached in --deadline %d s; stopped the job" % (
         samples[-1]["gs"] if samples else 0, args.target_steps, args.deadline))
   elif launcher.returncode != 0:
-    problems.append("epl-launch exited with %s:\n%s" % (launcher.returncode, text[-3000:]))
+    errors = [line for line in _logs_text(scratch).splitlines()
+              if "Error" in line and not line.startswith(" ")]
+    problems.append("epl-launch exited with %s:\n%s\nerrors in the workers' logs:\n%s" % (
+        launcher.returncode, text[-3000:], "\n".join(errors[-10:])))
   if final != args.target_steps:
     problems.append("reached global_step %d of %d" % (final, args.target_steps))
   if len(restarts) != len(kills):
@@ -301,9 +345,18 @@ def drive_restarts(args, scratch):
         "".join(l for _, l in lines if not l.startswith("[0] {"))[-4000:]))
   for k, gs in zip(kills, resumed):
     k["resumed_at"] = gs
-  return {"restart2x1": {"seconds": round(seconds), "target_steps": args.target_steps,
-                         "final_gs": final, "kills": kills, "restarts": len(restarts),
-                         "steps_per_s": round(final / seconds, 1), "problems": problems}}
+  for k, step in zip(kills, truncated):
+    k["truncated"] = step
+    if step is not None and k.get("resumed_at") is not None and k["resumed_at"] >= step:
+      problems.append("the restart after the kill at t=%d s resumed at global_step %d, but the "
+                      "checkpoint of step %d was truncated" % (k["t"], k["resumed_at"], step))
+    warned = r"resuming from model\.ckpt-\d+ instead of model\.ckpt-%d\b" % (step or -1)
+    if step is not None and not re.search(warned, text + _logs_text(scratch)):
+      problems.append("no warning that the truncated checkpoint %d was skipped" % step)
+  return {(TRUNCATED_CASE if truncate else RESTART_CASE): {
+              "seconds": round(seconds), "target_steps": args.target_steps,
+              "final_gs": final, "kills": kills, "restarts": len(restarts),
+              "steps_per_s": round(final / seconds, 1), "problems": problems}}
 
 
 # a kill every K seconds puts up to 6 restarts in a window of 5 K (kills at 0, K, ..., 5 K of
@@ -391,12 +444,18 @@ def _collect(procs, seconds, log_dir=None):
 
 
 def drive(cases, args):
+  import contextlib
   import tempfile
   report = {}
-  with tempfile.TemporaryDirectory(prefix="epl-soak-") as scratch:
+  keep = contextlib.nullcontext(args.keep) if args.keep else \
+      tempfile.TemporaryDirectory(prefix="epl-soak-")
+  with keep as scratch:
     if RESTART_CASE in cases:
       cases = [c for c in cases if c != RESTART_CASE]
       report.update(drive_restarts(args, scratch))
+    if TRUNCATED_CASE in cases:
+      cases = [c for c in cases if c != TRUNCATED_CASE]
+      report.update(drive_restarts(args, os.path.join(scratch, "truncated"), truncate=True))
     if args.alone:
       for case in cases:
         report.update(_collect(_start(case, args, scratch), args.seconds, args.log_dir))
@@ -407,15 +466,16 @@ def drive(cases, args):
     print(json.dumps(report))
   else:
     for name, r in report.items():
-      if name == RESTART_CASE:
+      if name in (RESTART_CASE, TRUNCATED_CASE):
         print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
             r["problems"])))
         print("    %d s, global_step %d of %d, %d kill(s), %d restart(s), %.1f steps/s "
               "overall" % (r["seconds"], r["final_gs"], r["target_steps"], len(r["kills"]),
                            r["restarts"], r["steps_per_s"]))
         for k in r["kills"]:
-          print("    t=%5d s: killed worker %d near global_step %d, resumed at %s" % (
-              k["t"], k["worker"], k["gs_before"], k.get("resumed_at", "?")))
+          print("    t=%5d s: killed worker %d near global_step %d, resumed at %s%s" % (
+              k["t"], k["worker"], k["gs_before"], k.get("resumed_at", "?"),
+              " (checkpoint %s truncated)" % k["truncated"] if "truncated" in k else ""))
         continue
       print("%s: %s" % (name, "PASS" if not r["problems"] else "FAIL: " + "; ".join(
           r["problems"])))
@@ -441,11 +501,14 @@ def main():
   p.add_argument("--seconds", type=float, default=600)
   p.add_argument("--interval", type=float, default=10)
   p.add_argument("--cases", default=",".join(c for c in CASES if c != RESTART_CASE))
+  # (restart2x1trunc runs its workers as restart2x1)
   p.add_argument("--alone", action="store_true", help="one case at a time, at full speed")
   p.add_argument("--checkpoint-secs", type=float, default=30)
   p.add_argument("--eval-every", type=int, default=500)
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--json", action="store_true")
+  p.add_argument("--keep", default=None, metavar="DIR",
+                 help="work in DIR and keep it (checkpoints, the launcher's logs)")
   p.add_argument("--log-dir", default=None,
                  help="keep every worker's stdout and stderr in this directory")
   p.add_argument("--target-steps", type=int, default=20000,
@@ -463,12 +526,13 @@ def main():
   p.add_argument("--role", default="driver", choices=["driver", "worker"])
   args = p.parse_args()
   cases = [c for c in args.cases.split(",") if c]
-  unknown = set(cases) - set(CASES) - {RESTART_CASE}
+  unknown = set(cases) - set(CASES) - {RESTART_CASE, TRUNCATED_CASE}
   if unknown:
     p.error("unknown case(s) %s; choose from %s" % (", ".join(sorted(unknown)), ", ".join(CASES)))
   if args.role == "worker":
     worker(cases[0], args.seconds, args.interval, args.checkpoint_secs, args.eval_every,
-           args.checkpoint_dir, args.target_steps if cases[0] == RESTART_CASE else 0)
+           args.checkpoint_dir, args.target_steps if cases[0] in (RESTART_CASE, TRUNCATED_CASE)
+           else 0)
     return 0
   return drive(cases, args)
 

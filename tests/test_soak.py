@@ -72,3 +72,18 @@ def test_the_restart_case_reaches_its_steps_with_a_restart_per_kill():
   resumed = [k["resumed_at"] for k in r["kills"] if not k.get("at_the_end")]
   assert resumed and resumed[0] > 0 and all(b > a for a, b in zip(resumed, resumed[1:])), r
   assert out.returncode == 0
+
+
+def test_a_restart_after_its_newest_checkpoint_was_truncated_resumes_from_the_one_before():
+  out = subprocess.run([sys.executable, SOAK, "--cases", "restart2x1trunc", "--target-steps",
+                        "2000", "--kill-at-steps", "1000", "--checkpoint-secs", "1",
+                        "--interval", "1", "--deadline", "300", "--json"], capture_output=True,
+                       text=True, timeout=420, cwd=ROOT)
+  lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+  assert lines, out.stdout[-2000:] + out.stderr[-3000:]
+  r = json.loads(lines[-1])["restart2x1trunc"]
+  if r["problems"]:
+    pytest.fail("\n".join(r["problems"]), pytrace=False)
+  assert r["final_gs"] == 2000 and len(r["kills"]) == 1 and r["restarts"] == 1, r
+  kill = r["kills"][0]
+  assert kill["truncated"] is not None and kill["resumed_at"] < kill["truncated"], kill

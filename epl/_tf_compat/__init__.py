@@ -230,20 +230,26 @@ def _saver_save_hook(original):
 
 def _restore_checkpoint_hook(original):
   """SessionManager._restore_checkpoint (MonitoredTrainingSession's restore from its
-  checkpoint_dir): the directory's state is checked first, and a checkpoint that does not
-  restore gives way to the newest older one (epl.runtime.checkpoints)."""
+  checkpoint_dir): a directory without a readable state file, or whose checkpoint does not
+  restore, resumes from the newest good one (epl.runtime.checkpoints picks it; the restore
+  then names it explicitly, so workers restoring at once never read a state file another one
+  rewrites)."""
   signature = inspect.signature(original)
 
   def restore_checkpoint(self, *args, **kwargs):
-    directory = signature.bind(self, *args, **kwargs).arguments.get("checkpoint_dir")
+    bound = signature.bind(self, *args, **kwargs)
+    directory = bound.arguments.get("checkpoint_dir")
     if not directory or not _manages(self._graph):  # pylint: disable=protected-access
       return original(self, *args, **kwargs)
-    _listener.before_restore(directory)
+    path, explicit = _listener.checkpoint_to_restore(directory)
     while True:
+      if explicit:
+        bound.arguments["checkpoint_dir"] = None
+        bound.arguments["checkpoint_filename_with_path"] = path
       try:
-        return original(self, *args, **kwargs)
+        return original(*bound.args, **bound.kwargs)
       except _RESTORE_FAILURES as e:
-        _listener.restore_failed(directory, e)     # points at an older one, or raises
+        path, explicit = _listener.restore_failed(directory, path, e), True   # or raises
   return restore_checkpoint
 
 

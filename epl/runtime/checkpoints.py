@@ -9,8 +9,8 @@ naming no file. epl, which runs the job and sees the directory (the compat hook 
 ``SessionManager._restore_checkpoint``, and on ``Saver.save`` / ``Saver.restore``):
 
 * no readable state file, but checkpoints on disk: resumes from the newest one that reads back
-  (every tensor read, checksums checked), rewriting the state file, with a warning; when none
-  reads back, stops with ``CheckpointError`` naming the directory and the fix;
+  (every tensor read, checksums checked), the chief rewriting the state file, with a warning;
+  when none reads back, stops with ``CheckpointError`` naming the directory and the fix;
 * the newest checkpoint fails to restore: the error is logged naming it, and the job resumes
   from the newest older one that reads back (a warning names both); none: ``CheckpointError``;
 * a save that fails (a full disk) removes its ``*_temp`` folder and temporary files, and the
@@ -65,8 +65,12 @@ def unreadable(prefix):
 
 
 def _first_line(error):
-  text = str(getattr(error, "message", error)).strip().splitlines()
-  return text[0][:300] if text else type(error).__name__
+  """The line of ``error``'s message that says what went wrong ("Read less bytes than
+  requested"), not TF's framing ("Graph execution error:", "Detected at node ...")."""
+  lines = [l.strip() for l in str(getattr(error, "message", error)).splitlines() if l.strip()]
+  said = [l for l in lines if "Graph execution error" not in l and not l.startswith(
+      ("Detected at node", "Node:", "From /job", "[[", "File ", "Original stack trace"))]
+  return (said or lines or [type(error).__name__])[0][:300]
 
 
 def _newest_readable(candidates):
@@ -88,17 +92,20 @@ def _point_state_at(directory, prefix):
       directory, prefix, all_model_checkpoint_paths=kept + [prefix], save_relative_paths=True)
 
 
-def before_restore(directory):
-  """Makes ``directory``'s state file name a checkpoint to resume from when it has none that
-  TF can read but checkpoints lie there. Raises CheckpointError when none reads back."""
+def to_restore(directory, chief):
+  """Before MonitoredTrainingSession restores from ``directory``: (path, explicit). ``path``:
+  the checkpoint the state file names (explicit False: TF restores it as usual), or, when
+  there is no readable state file but checkpoints lie there, the newest that reads back
+  (explicit True; the ``chief`` rewrites the state file, with a warning); (None, False) for a
+  directory without checkpoints. Raises CheckpointError when none reads back."""
   if not directory or not os.path.isdir(directory):
-    return
+    return None, False
   state = checkpoint_management.get_checkpoint_state(directory)
   if state is not None and state.model_checkpoint_path:
-    return
+    return state.model_checkpoint_path, False
   found = on_disk(directory)
   if not found:
-    return                                   # a fresh directory: training starts from scratch
+    return None, False                       # a fresh directory: training starts from scratch
   good, bad = _newest_readable(found)
   if good is None:
     raise CheckpointError(
@@ -106,22 +113,23 @@ def before_restore(directory):
         "none of them reads back (%s): epl does not train over them from step 0. Move them "
         "away to start afresh, or restore a checkpoint from a copy" % (
             directory, len(found), os.path.basename(found[0]), bad[0][1]))
-  _point_state_at(directory, good)
+  if chief:
+    _point_state_at(directory, good)
   log.warning("%s has no readable state file ('checkpoint'), but holds %d checkpoint(s): "
-              "resuming from %s, the newest that reads back%s (the state file is written "
-              "again)", directory, len(found), os.path.basename(good),
-              "; newer ones that do not: " + ", ".join(
-                  "%s (%s)" % (os.path.basename(p), why) for p, why in bad) if bad else "")
+              "resuming from %s, the newest that reads back%s%s", directory, len(found),
+              os.path.basename(good), "; newer ones that do not: " + ", ".join(
+                  "%s (%s)" % (os.path.basename(p), why) for p, why in bad) if bad else "",
+              " (the state file is written again)" if chief else "")
+  return good, True
 
 
-def after_failed_restore(directory, error):
-  """The restore of ``directory``'s newest checkpoint raised ``error``: points the state file
-  at the newest older checkpoint that reads back (a warning names both). Raises
-  CheckpointError naming the failed checkpoint when there is none."""
-  state = checkpoint_management.get_checkpoint_state(directory)
-  failed = state.model_checkpoint_path if state is not None else None
+def after_failed_restore(directory, failed, error, chief):
+  """The restore of checkpoint ``failed`` from ``directory`` raised ``error``: returns the
+  newest older checkpoint that reads back (a warning names both; the ``chief`` points the
+  state file at it). Raises ``error`` when ``failed`` itself reads back (not a damaged file:
+  another model's checkpoint?), CheckpointError naming it when no older one reads back."""
   if failed is None or unreadable(failed) is None:
-    raise error          # the file reads back: not a damaged checkpoint (another model's?)
+    raise error
   older = [p for p in on_disk(directory) if os.path.abspath(p) != os.path.abspath(failed) and
            (_step(p) is None or _step(failed) is None or _step(p) < _step(failed))]
   good, bad = _newest_readable(older)
@@ -131,10 +139,12 @@ def after_failed_restore(directory, error):
         "checkpoint %s in %s does not restore (%s), and no older checkpoint there reads back: "
         "move the directory away to start afresh, or put a good checkpoint back" % (
             os.path.basename(failed), directory, _first_line(error))) from error
-  _point_state_at(directory, good)
+  if chief:
+    _point_state_at(directory, good)
   log.warning("resuming from %s instead of %s, which does not restore (%s)%s",
               os.path.basename(good), os.path.basename(failed), _first_line(error),
               "; skipped too: " + ", ".join(os.path.basename(p) for p, _ in bad) if bad else "")
+  return good
 
 
 def _step(prefix):

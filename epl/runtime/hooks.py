@@ -50,11 +50,11 @@ class Dispatcher:
       return True
     return self.state.cluster.worker_index == 0
 
-  def before_restore(self, directory):
-    checkpoints.before_restore(directory)
+  def checkpoint_to_restore(self, directory):
+    return checkpoints.to_restore(directory, self.is_chief(None))
 
-  def restore_failed(self, directory, error):
-    checkpoints.after_failed_restore(directory, error)
+  def restore_failed(self, directory, path, error):
+    return checkpoints.after_failed_restore(directory, path, error, self.is_chief(None))
 
   def save_failed(self, path, error):
     return checkpoints.after_failed_save(path, error)
