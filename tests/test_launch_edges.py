@@ -245,3 +245,39 @@ def test_a_full_disk_names_the_checkpoint_path_and_leaves_no_temp_folder(tmp_pat
     assert not [name for name in left if "_temp" in name or "tempstate" in name], left
   finally:
     subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+FOREIGN = """
+import socket, sys
+import tensorflow.compat.v1 as tf
+tf.disable_v2_behavior()
+s = socket.socket(); s.bind(("", 0)); mine = s.getsockname()[1]; s.close()
+cluster = tf.train.ClusterSpec({"worker": [sys.argv[1], "localhost:%d" % mine]})
+server = tf.train.Server(cluster, job_name="worker", task_index=1)
+tf.Session.reset(server.target)        # CleanupAll on every worker its cluster names
+"""
+
+
+def test_a_foreign_tf_client_that_clears_a_worker_ends_the_job_with_an_error_saying_so(
+    tmp_path):
+  """Any TF program that reaches a worker's port can clear it (TF's servers have no
+  authentication): the job used to end with a hint about request ids."""
+  launcher = _launch(["--num_workers", "2", "--log_dir", str(tmp_path), EXIT, "9", "0",
+                      "none"])
+  try:
+    seen, deadline = "", time.time() + 60
+    while "worker 0 step 30" not in seen and time.time() < deadline:
+      seen += launcher.stdout.readline()
+    host = re.search(r"worker 0 on (\S+),", seen).group(1)
+    subprocess.run([sys.executable, "-c", FOREIGN, host], env=ENV, capture_output=True,
+                   timeout=60)
+    out, _ = launcher.communicate(timeout=60)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  text = seen + out
+  assert launcher.returncode == 1, text[-3000:]
+  assert "epl worker 0 stops: its state was cleared from outside the job (Attempting to use " \
+      "uninitialized value" in text and "Let only the job's hosts reach its ports" in text, \
+      text[-3000:]
+  assert "duplicate" not in text

@@ -57,6 +57,25 @@ def collectives_aborted(error):
       "Delete called on non-empty BufRendezvous" in str(error)
 
 
+def cleared_from_outside(error):
+  """A step of a job that already trained failed because the worker's state is gone: its
+  variables uninitialised, its resource containers or sessions missing. Nothing in the job
+  does that; another TensorFlow client that reached the worker's port does (``tf.Session.reset``
+  on a master whose cluster names this worker, a master naming itself one of the job's
+  tasks): TF's servers accept any client."""
+  text = str(error)
+  return isinstance(error, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError,
+                            tf.errors.AbortedError)) and any(word in text for word in (
+                                "uninitialized value", "Container", "Session handle",
+                                "session is closed", "not found in session"))
+
+
+OUTSIDE = ("TensorFlow's servers accept any client: another TensorFlow program that reached "
+           "this worker's port cleared it (tf.Session.reset, or a master that names itself one "
+           "of the job's tasks). Let only the job's hosts reach its ports (a firewall, a "
+           "network policy, --port_range); restart the job from its last checkpoint")
+
+
 def with_reruns(run, reruns, on_rerun):
   """``run()``, run again (at most ``reruns`` more times, calling ``on_rerun(error, count)``
   before each) while TF rejects it as a duplicate request (``is_duplicate_request``).
@@ -96,7 +115,7 @@ def essence(error):
   """The line of a TF error message that says what happened (not "Graph execution error:")."""
   lines = [l.strip() for l in str(getattr(error, "message", error)).splitlines() if l.strip()]
   lines = [l for l in lines if not l.startswith(("Graph execution error", "Detected at node",
-                                                 "File ", "Node:", "[["))]
+                                                 "File ", "Node:", "[[", "From /job"))]
   for line in lines:
     if any(word in line.lower() for word in _TELLING):
       return line[:300]
@@ -121,7 +140,9 @@ def peer_error(error, cluster, timeout, status_file=""):
   gone = [(w, h) for w, h in peers if not reachable(h)]
   first = essence(error)
   ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
-  if ended:
+  if cleared_from_outside(error) and not isinstance(error, tf.errors.AbortedError):
+    what = "its state was cleared from outside the job (%s). %s" % (first, OUTSIDE)
+  elif ended:
     what = "; ".join(ended)
   elif gone:
     what = "lost worker %s: %s no longer accept%s connections" % (
@@ -129,9 +150,11 @@ def peer_error(error, cluster, timeout, status_file=""):
         "s" if len(gone) == 1 else "")
   elif collectives_aborted(error):
     what = ("TensorFlow aborted this worker's collectives (%s): a peer's part of the step "
-            "ended while this worker's collective waited on it (for example a step TF rejected "
-            "as a duplicate request on that peer), and TF cannot run collectives in this "
-            "process again" % first)
+            "ended while this worker's collective waited on it -- its sessions closed from "
+            "outside the job (another TensorFlow client that reached its port), or a step TF "
+            "rejected there -- and TF cannot run collectives in this process again" % first)
+  elif cleared_from_outside(error):
+    what = "its sessions were closed from outside the job (%s). %s" % (first, OUTSIDE)
   elif isinstance(error, tf.errors.DeadlineExceededError):
     what = ("a step did not finish within communication.collective_timeout=%d s: a peer is "
             "stalled (every worker still accepts connections: %s)" % (

@@ -220,9 +220,14 @@ class Dispatcher:
         return faults.with_reruns(lambda: original(*args, **kwargs), RERUNS, self._on_rerun)
     try:
       return self._run(pg, session, one_run, fetches, feed_dict, options, run_metadata)
-    except (faults.LOST + (tf.errors.InternalError,)) as e:
+    except (faults.LOST + (tf.errors.InternalError, tf.errors.FailedPreconditionError,
+                           tf.errors.NotFoundError)) as e:
       if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
         raise
+      if isinstance(e, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError)) and not (
+          state.heartbeat is not None and state.heartbeat.steps and
+          faults.cleared_from_outside(e)):
+        raise                              # the script's own error (before training, say)
       error = faults.peer_error(e, state.cluster, plan.communication.timeout,
                                 state.config.launch.status_file)
       log.error("%s", error)
