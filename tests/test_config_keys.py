@@ -99,6 +99,7 @@ ALONE = {
     "launch.restart_window": (60, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
+    "log.stall_secs": (5, {}, "tests/test_launch_edges.py::test_a_frozen_worker_is_reported_with_what_its_process_does"),
     "log.level": ("debug", {}, lambda pg, g, l: any(m.startswith("epl.init:") for m in l)),
 }
 

@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 
-from epl.launch import status
+from epl.launch import status, steps
+from epl.launch.guard import Guard
 from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
 from epl.launch.spec import free_ports, parser, settings_from_args, status_path, worker_specs
 
@@ -47,34 +48,6 @@ def _die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   except OSError:
     pass
-
-
-class Guard:
-  """The guard process (epl/launch/guard.py) that ends the workers if this launcher dies."""
-
-  def __init__(self):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
-    self._proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
-                                  stdout=subprocess.DEVNULL, start_new_session=True)
-
-  def add(self, pgid):
-    self._send("group %d" % pgid)
-
-  def done(self):
-    """This launcher ends its job itself: the guard exits without touching anything."""
-    self._send("done")
-    try:
-      self._proc.stdin.close()
-      self._proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-      pass
-
-  def _send(self, line):
-    try:
-      self._proc.stdin.write((line + "\n").encode())
-      self._proc.stdin.flush()
-    except OSError:
-      pass
 
 
 def _group_alive(pgid):
@@ -109,6 +82,7 @@ class Job:
   def start(self):
     for path in self.status_files.values():
       status.clear(path)
+      status.clear(status.beat_path(path))     # a beat of the start before is not this one's
     for spec in self.specs.values():
       os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
       proc = subprocess.Popen(spec.argv, env=spec.env, stdout=subprocess.PIPE,
@@ -194,53 +168,23 @@ class Job:
         return 0
       time.sleep(poll)
 
-  # ---- what the workers' steps say (epl.runtime.heartbeat) -------------------------------
-  def _beats(self):
-    return {i: status.read_beat(path) for i, path in self.status_files.items()}
-
+  # ---- what the workers' steps say (epl.runtime.heartbeat; epl/launch/steps.py) --------
   def _check_steps(self, now=None):
     """About once a second: reports a stalled step (once per worker and step), and ends a job
     whose worker left its script (exit code 0) while another waits in a step for it.
     Returns [(index, code)] of a worker to blame, or []."""
-    now = time.time() if now is None else now
-    beats = self._beats()
-    for i, beat in sorted(beats.items()):
-      if not beat or beat.get("since") is None:
-        continue
-      waited = now - beat["since"]
-      for j, path in sorted(self.status_files.items()):
-        left = status.last(path, status.ENDED)
-        if j != i and left is not None and not left.get("code") and beat["training"] and \
-            beat["steps"] >= left.get("steps", 0) and waited > LEFT_WAIT:
-          self.reason = ("worker %d ended its script (exit code 0) at step %s while worker %d "
-                         "waits in step %d for it" % (j, left.get("steps"), i,
-                                                      beat["steps"] + 1))
-          return [(j, 0)]
-      # (the first step compiles the graph: it may take minutes, and proves nothing)
-      if beat["steps"] and waited > beat.get("limit", 60.0) and \
-          (i, beat["steps"]) not in self._stalls:
-        self._stalls.add((i, beat["steps"]))
-        self._say(self._stall_report(i, beat, waited, beats))
+    found = steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()},
+                        self._stalls, time.time() if now is None else now)
+    for report in found.reports:
+      self._say(report)
+    if found.left is not None:
+      self.reason = found.reason
+      return [(found.left, 0)]
     return []
 
-  def _stall_report(self, index, beat, waited, beats):
-    others = []
-    for j in sorted(beats):
-      if j == index:
-        continue
-      other = beats[j] or {}
-      pid = other.get("pid") or self.procs[j].pid
-      state = process_state(pid)
-      step = other.get("steps")
-      where = ("in step %d for %.0f s" % (step + 1, time.time() - other["since"])
-               if other.get("since") is not None else
-               "after step %s" % step if step is not None else "before its first step")
-      others.append("worker %d (pid %d): %s, %s" % (j, pid, state, where))
-    return ("epl-launch: no step finished for %.0f s (the stall limit is %.0f s): worker %d "
-            "waits in step %d%s. communication.collective_timeout ends the job if it does not "
-            "move" % (waited, beat.get("limit", 60.0), index, beat["steps"] + 1,
-                      "; " + "; ".join(others) if others else
-                      "; its peers run under other launchers (see their consoles)"))
+  def step_of(self, index):
+    """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""
+    return steps.step_of(self.status_files.get(index))
 
   def ran(self):
     """True when a worker of this run started training (its first step ran)."""
@@ -273,21 +217,6 @@ class Job:
                 what, " (%s then failed too)" % ", ".join("worker %d" % i for i in others)
                 if others else "", index, self.specs[index].log_path,
                 last_traceback(self.log_text(index))))
-
-
-LEFT_WAIT = 5.0     # seconds a worker may wait in a step for a peer that left its script
-
-
-def process_state(pid):
-  """What a process is doing, from /proc: running, sleeping, stopped (SIGSTOP), gone..."""
-  try:
-    with open("/proc/%d/stat" % pid) as f:
-      code = f.read().rsplit(")", 1)[1].split()[0]
-  except (OSError, IndexError):
-    return "gone"
-  return {"R": "running", "S": "running (waiting)", "D": "in uninterruptible I/O",
-          "T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "gone (exited)",
-          "X": "gone"}.get(code, "state %s" % code)
 
 
 # errors that a restart would only repeat: the script, its Config or its annotations are wrong

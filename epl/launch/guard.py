@@ -16,6 +16,7 @@ launcher's process group and a Ctrl-C in its terminal.
 """
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -63,6 +64,34 @@ def main(stream=None):
       return 0
   stop(groups)               # the launcher is gone
   return 0
+
+
+class Guard:
+  """The launcher's side: starts the guard process and tells it of every worker's group."""
+
+  def __init__(self):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+    self._proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, start_new_session=True)
+
+  def add(self, pgid):
+    self._send("group %d" % pgid)
+
+  def done(self):
+    """This launcher ends its job itself: the guard exits without touching anything."""
+    self._send("done")
+    try:
+      self._proc.stdin.close()
+      self._proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+      pass
+
+  def _send(self, line):
+    try:
+      self._proc.stdin.write((line + "\n").encode())
+      self._proc.stdin.flush()
+    except OSError:
+      pass
 
 
 if __name__ == "__main__":

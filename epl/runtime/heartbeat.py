@@ -39,6 +39,8 @@ class Heartbeat:
     self._since = None
     self._training = 0
     self._times = collections.deque(maxlen=101)
+    self._median = None
+    self._pid = os.getpid()
     self._told = None                          # the step whose stall was reported
     self._ended = False
     self._map = self._open(status.beat_path(status_file))
@@ -58,9 +60,9 @@ class Heartbeat:
 
   def _write(self):
     if self._map is not None:
-      status.BEAT.pack_into(self._map, 0, os.getpid(), self.steps, self._training,
+      status.BEAT.pack_into(self._map, 0, self._pid, self.steps, self._training,
                             math.nan if self._since is None else self._since,
-                            math.nan if not self._times else self.median(), self.limit())
+                            math.nan if self._median is None else self._median, self.limit())
 
   # ---- the main thread ----------------------------------------------------------------------
   def begin(self, training=True):
@@ -72,6 +74,8 @@ class Heartbeat:
     """A run ended; ``training``: it was a training step (counted, and timed)."""
     if self._since is not None and training:
       self._times.append(self._clock() - self._since)
+      times = sorted(self._times)
+      self._median = times[len(times) // 2]
     self._since, self._training = None, 0
     self.steps += bool(training)
     self._write()
@@ -84,11 +88,10 @@ class Heartbeat:
 
   # ---- the watch thread (epl.runtime.faults.PeerWatch), about once a second ----------------
   def median(self):
-    times = sorted(self._times)
-    return times[len(times) // 2] if times else None
+    return self._median
 
   def limit(self):
-    median = self.median()
+    median = self._median
     return max(self._floor, self._factor * median) if median is not None else self._floor
 
   def tick(self, describe_peers=None):
