@@ -91,6 +91,8 @@ class ImportSlots:
 
   def _find(self):
     dyn = self._dynamic()
+    if not all(tag in dyn for tag in (DT_STRTAB, DT_STRSZ, DT_SYMTAB)):
+      raise ElfError("%s has no dynamic symbol or string table" % self.library)
     strtab = self._address(dyn[DT_STRTAB])
     strings = ctypes.string_at(strtab, dyn[DT_STRSZ])
     wanted = self.symbol.encode() + b"\0"
@@ -100,16 +102,21 @@ class ImportSlots:
       at = strings.find(wanted, at + 1)
     if not offsets:
       return []
-    symtab = self._address(dyn[DT_SYMTAB])
-    count = (strtab - symtab) // _SYM.itemsize   # the string table follows the symbols
-    symbols = _array(symtab, _SYM, count)
+    tables = [_array(self._address(dyn[table]), _RELA, dyn[size] // _RELA.itemsize)
+              for table, size in ((DT_JMPREL, DT_PLTRELSZ), (DT_RELA, DT_RELASZ))
+              if table in dyn and size in dyn]
+    # the symbols the relocations name: their own indices bound the table (ELF gives the
+    # dynamic symbol table no size, and nothing orders it before the string table)
+    count = max((int((t["info"] >> np.uint64(32)).max()) + 1 for t in tables if len(t)),
+                default=0)
+    if not count:
+      return []
+    symbols = _array(self._address(dyn[DT_SYMTAB]), _SYM, count)
     indices = np.flatnonzero(np.isin(symbols["name"], list(offsets)) & (symbols["shndx"] == 0))
     slots = []
-    for table, size in ((DT_JMPREL, DT_PLTRELSZ), (DT_RELA, DT_RELASZ)):
-      if table in dyn:
-        rela = _array(self._address(dyn[table]), _RELA, dyn[size] // _RELA.itemsize)
-        hits = rela["offset"][np.isin(rela["info"] >> np.uint64(32), indices.astype(np.uint64))]
-        slots.extend(self.base + int(offset) for offset in hits)
+    for rela in tables:
+      hits = rela["offset"][np.isin(rela["info"] >> np.uint64(32), indices.astype(np.uint64))]
+      slots.extend(self.base + int(offset) for offset in hits)
     return sorted(set(slots))
 
   def values(self):

@@ -127,6 +127,9 @@ KEYS = {k.name: k for k in [
     _k("communication.release_aborted_rendezvous", "bool", True,
        help="multi-worker jobs free the per-step rendezvous TF aborts at a step's cleanup "
             "(TF keeps each one forever: memory grows with the steps; False: TF's own)"),
+    _k("communication.native_hooks_untested_tf", "bool", False,
+       help="install unique_request_ids / release_aborted_rendezvous (hooks below Python) on "
+            "a TensorFlow version they were not tested on (default: skipped with a warning)"),
     _k("io.slicing", "bool", False, help="shard constant file lists across workers"),
     _k("io.unbalanced_io_slicing", "bool", False, requires="io.slicing"),
     _k("io.drop_last_files", "bool", False, requires="io.slicing"),

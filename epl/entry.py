@@ -69,7 +69,7 @@ def init(config=None):
     from epl.runtime import server
     # TF's hooks go in before the first cross-worker step (the startup below runs steps)
     for on, install, without in _NATIVE_HOOKS:
-      why = install() if on(config) else None
+      why = install(config.communication.native_hooks_untested_tf) if on(config) else None
       if why:
         log.warning(without, why)
     limit = config.cluster.startup_timeout

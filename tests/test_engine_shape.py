@@ -165,6 +165,21 @@ def test_no_module_over_400_lines():
 
 
 # ---- hooks -------------------------------------------------------------------------------
+def test_the_hook_table_the_docs_describe_is_the_one_installed():
+  """_tf_compat's docstring says how many hooks there are and lists every hooked function;
+  the user guide says the same count: all three agree with ``_HOOKS``."""
+  import re
+  from epl import _tf_compat as compat
+  words = ["ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen"]
+  count = len(compat._HOOKS)  # pylint: disable=protected-access
+  said = re.search(r"\* (\w+) hooks \(the ``_HOOKS`` table\)", compat.__doc__).group(1)
+  assert words.index(said) + 10 == count, (said, count)
+  guide = open(os.path.join(os.path.dirname(EPL), "docs", "user_guide.md")).read()
+  assert re.search(r"\b%s documented hooks" % words[count - 10], guide), count
+  table = compat.__doc__.split("why\n")[1]
+  for owner, attr, _ in compat._HOOKS:  # pylint: disable=protected-access
+    assert attr.lstrip("_") in table.replace("._", "."), (owner, attr)
+
 def test_hooks_are_reversible():
   from tensorflow.python.client import session
   from tensorflow.python.training import optimizer
@@ -208,6 +223,38 @@ def test_second_init_on_an_annotated_graph_is_refused():
                        r"and the TaskGraph\(s\) annotated since \('stage_0' at "
                        r"test_engine_shape.py:\d+\) would be dropped"):
       epl.init(epl.Config())
+
+
+@pytest.mark.parametrize("mode,warned", [
+    ("missing", "has no relocation for _ZN3tsl6random13NoSuchFunctionEv"),
+    ("untested", "is not among the versions the hook was tested on (0.0.1); set "
+                 "communication.native_hooks_untested_tf to try it"),
+])
+def test_a_native_hook_that_cannot_go_in_warns_and_the_job_trains(tmp_path, mode, warned):
+  """A TF build without the hooks' symbols, or a TF version they were not tested on: epl.init
+  warns once per hook, saying what is lost, and the 2-worker job trains without them."""
+  import subprocess
+  import sys
+  root = os.path.dirname(EPL)
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+  out = subprocess.run([sys.executable, "-m", "epl.launch.cli", "--num_workers", "2",
+                        "--log_dir", str(tmp_path), os.path.join(root, "tests", "workers",
+                                                                  "native_worker.py"), mode],
+                       env=env, cwd=root, capture_output=True, text=True, timeout=180)
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text[-3000:]
+  assert text.count("trained; request ids unique: False, rendezvous released: False") == 2
+  assert "could not make TensorFlow's request ids unique (" in text and warned in text and \
+      "a step TF rejects as a duplicate request" in text, text[-3000:]
+  assert "could not stop TensorFlow keeping every rendezvous" in text, text[-3000:]
+  if mode == "untested":                     # the key opts in: the hooks go in
+    out = subprocess.run([sys.executable, "-m", "epl.launch.cli", "--num_workers", "2",
+                          "--log_dir", str(tmp_path / "in"), os.path.join(
+                              root, "tests", "workers", "native_worker.py"), mode],
+                         env=dict(env, EPL_COMMUNICATION_NATIVE_HOOKS_UNTESTED_TF="true"),
+                         cwd=root, capture_output=True, text=True, timeout=180)
+    assert "trained; request ids unique: True, rendezvous released: True" in out.stdout, \
+        out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_tf_hooks_below_python_go_in_and_come_out():

@@ -55,23 +55,42 @@ def _lib(name):
   return os.path.join(os.path.dirname(_tf.__file__), name)
 
 
-def _redirect(name, symbol, replacement):
+# TensorFlow versions the hooks were tested on (their symbol names embed absl's inline
+# namespace, and their behaviour TF's sources of that version); others: skipped with a
+# warning unless communication.native_hooks_untested_tf opts in
+TESTED_TF = ("2.21.0",)
+
+
+def untested_tf():
+  """The running TensorFlow's version when the hooks were not tested on it, else None."""
+  import tensorflow as _tf
+  version = getattr(_tf, "__version__", "unknown")
+  return None if version in TESTED_TF else version
+
+
+def _redirect(name, symbol, replacement, untested_ok=False):
   """libtensorflow_cc's calls of ``symbol`` go to ``replacement`` (libtensorflow_framework's),
-  once per process; returns None, or the reason it could not."""
+  once per process; returns None, or the reason it could not (any failure: the hook is then
+  not in place and TF keeps its own behaviour)."""
   if name not in _hooks:
+    version = untested_tf()
+    if version is not None and not untested_ok:
+      return ("TensorFlow %s is not among the versions the hook was tested on (%s); set "
+              "communication.native_hooks_untested_tf to try it" % (
+                  version, ", ".join(TESTED_TF)))
     from epl import _elf
     try:
       _hooks[name] = _elf.redirect_import(_lib(_TF_CC), symbol, _lib(_TF_FRAMEWORK),
                                           replacement)
-    except (_elf.ElfError, OSError) as e:
-      return str(e)
+    except Exception as e:  # pylint: disable=broad-except  (a hook must never stop epl.init)
+      return "%s: %s" % (type(e).__name__, e)
   return None
 
 
-def unique_request_ids():
+def unique_request_ids(untested_ok=False):
   """Makes TF's RPC request ids one process-wide stream; returns None, or the reason it could
   not (the job then relies on rerunning a rejected step)."""
-  return _redirect("request_ids", _THREAD_LOCAL_NEW64, _NEW64)
+  return _redirect("request_ids", _THREAD_LOCAL_NEW64, _NEW64, untested_ok)
 
 
 def request_ids_unique():
@@ -79,10 +98,10 @@ def request_ids_unique():
   return "request_ids" in _hooks
 
 
-def release_aborted_rendezvous():
+def release_aborted_rendezvous(untested_ok=False):
   """A rendezvous aborted by a step's cleanup is freed when its last holder lets go, instead
   of being kept forever; returns None, or the reason it could not."""
-  return _redirect("rendezvous", _START_ABORT, _DO_ABORT)
+  return _redirect("rendezvous", _START_ABORT, _DO_ABORT, untested_ok)
 
 
 def aborted_rendezvous_released():
