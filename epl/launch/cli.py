@@ -24,6 +24,7 @@ import time
 
 from epl.launch import status, steps
 from epl.launch.guard import Guard
+from epl.launch.guard import alive as _group_alive
 from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
 from epl.launch.spec import free_ports, parser, settings_from_args, status_path, worker_specs
 
@@ -48,16 +49,6 @@ def _die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   except OSError:
     pass
-
-
-def _group_alive(pgid):
-  try:
-    os.killpg(pgid, 0)
-    return True
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
 
 
 class Job:

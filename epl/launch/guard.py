@@ -23,7 +23,8 @@ import time
 GRACE = 1.0
 
 
-def _alive(pgid):
+def alive(pgid):
+  """True while process group ``pgid`` has a process."""
   try:
     os.killpg(pgid, 0)
     return True
@@ -45,9 +46,9 @@ def stop(groups, grace=GRACE):
   """SIGTERM to every group, then SIGKILL to what outlives ``grace``; returns once gone."""
   _signal(groups, signal.SIGTERM)
   deadline = time.time() + grace
-  while any(_alive(g) for g in groups):
+  while any(alive(g) for g in groups):
     if time.time() > deadline:
-      _signal([g for g in groups if _alive(g)], signal.SIGKILL)
+      _signal([g for g in groups if alive(g)], signal.SIGKILL)
     time.sleep(0.05)
 
 

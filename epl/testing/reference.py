@@ -19,6 +19,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.op_tables import mutates
+from epl.passes.slots import ancestors
 
 # updates a step makes: a variable written through a ref input or a resource handle
 _RESOURCE_WRITES = ("ResourceApply", "ResourceSparseApply", "AssignVariableOp",
@@ -29,18 +30,6 @@ def _writes(op):
   if any(arg.is_ref for arg in op.op_def.input_arg):
     return mutates(op) and op.type not in ("Identity", "RefIdentity")
   return op.type.startswith(_RESOURCE_WRITES)
-
-
-def _upstream(ops):
-  seen, work = set(), list(ops)
-  while work:
-    op = work.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    work.extend(t.op for t in op.inputs)
-    work.extend(op.control_inputs)
-  return seen
 
 
 def _downstream(ops, within):
@@ -60,7 +49,7 @@ def step_cut(train_ops):
   list of them): every input of an update of the step that no update comes before."""
   train_ops = train_ops if isinstance(train_ops, (list, tuple)) else [train_ops]
   ops = [t if isinstance(t, tf.Operation) else t.op for t in train_ops]
-  step = _upstream(ops)
+  step = ancestors(ops)
   updates = [op for op in step if _writes(op)]
   after = _downstream(updates, step)
   cut = []
