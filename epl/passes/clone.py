@@ -4,8 +4,10 @@ Reused by every pass that needs copies of the user's ops: model replicas (here),
 (pipeline), recompute segments (gradient checkpointing).
 
 ``clone_ops`` serialises the ops once, edits the NodeDefs (device, colocation, while-loop frame
-names, inputs from outside the set) and imports them in one ``tf.import_graph_def`` call, so the
-work is done in C++ and scales to graphs of tens of thousands of ops. Function-body ops
+names, inputs from outside the set) and imports them in one call of TF's C++ importer
+(``compat.import_nodes``: without ``tf.import_graph_def``'s per-op Python post-processing,
+which changes nothing for these NodeDefs), so it scales to graphs of hundreds of thousands of
+ops. Function-body ops
 (``tf.function``, control flow v2) refer to functions already in the graph's library.
 """
 import hashlib
@@ -101,8 +103,7 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None, ed
       node.input.append(key)
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.device(None):
-    new_ops = tf.import_graph_def(graph_def, input_map=imports,
-                                  return_elements=[op.name for op in ops], name=prefix)
+    new_ops = compat.import_nodes(graph, graph_def, imports, [op.name for op in ops], prefix)
   mapping = dict(zip((op.name for op in ops), new_ops))
   for name, controls in control_after.items():
     compat.add_control_inputs(mapping[name], [c for c in controls])
