@@ -179,13 +179,11 @@ class Dispatcher:
                       run_metadata)[0]
     progress = self._progress
     if progress is not None and progress.trains_fetches(session.graph, fetches):
+      # Rows come from the feeds, or from a scalar fetched in *every* step reading in-graph
+      # inputs (fetching it only in the reporting step would make TF compile the graph again)
       report = progress.due()
-      if not report and not feed_dict:          # the common step: count it, nothing else
-        result = self._step(session, original, fetches, feed_dict, options, run_metadata)
-        progress.step(None, False)
-        return result
-      rows = progress.fed_rows(feed_dict)
-      extra = progress.rows_tensor() if rows is None and report else None
+      rows = progress.fed_rows(feed_dict) if feed_dict else None
+      extra = progress.rows_tensor() if rows is None else None
       if extra is None:
         result = self._step(session, original, fetches, feed_dict, options, run_metadata)
       else:

@@ -2,9 +2,10 @@
 
 A step is a ``session.run`` that trains (its fetches reach an update of the model). Its
 samples follow the batch semantics: the rows fed to batch placeholders, or, with an iterator
-or in-graph inputs, copies x micro-batches x the batch each one reads (measured in the
-reporting step when the batch size is not static). In a multi-worker job the job's rate is
-the worker's times the number of workers that drive copies.
+or in-graph inputs, copies x micro-batches x the batch each one reads (measured in every
+step: one scalar fetched with each training step, so that a report never changes the step's
+fetches and TF never compiles the graph again for it). In a multi-worker job the job's rate
+is the worker's times the number of workers that drive copies.
 
   [epl] step 1200: 9.8 steps/s, 627 samples/s (job: 1254 samples/s)
 """
@@ -144,6 +145,7 @@ class Progress:
       inputs = [op for op in pg.analysis.cloned
                 if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS] if pg.analysis else []
       if not inputs:
+        self._rows_tensor = False                 # none: asked once
         return None
       first = inputs[0].outputs[0]
       clones = pg.clones() if pg.replication is not None else None
@@ -151,7 +153,7 @@ class Progress:
       with compat.unfinalized(pg.graph), pg.graph.as_default(), tf.name_scope(None), \
           tf.control_dependencies(None), tf.device(pg.worker.host):
         self._rows_tensor = tf.add_n([tf.shape(t)[0] for t in pieces], name="epl_step_rows")
-    return self._rows_tensor
+    return None if self._rows_tensor is False else self._rows_tensor
 
   def step(self, rows, report):
     """Counts one training step of ``rows`` samples (None: unknown); logs when ``report``
