@@ -3,7 +3,8 @@
 Expects: the micro-batch clones and ``plan.schedule`` (per stage, actions like ``F3``: forward
 ops of that stage for micro-batch 3, ``B3``: its backward ops). For every copy and stage, the
 stage's actions run in the schedule's order: a NoOp marks the end of each action and the
-first ops of the next action wait for it. With one stage this is gradient accumulation:
+first ops of the next action wait for it (the NoOp waits for the action's last ops only: the
+ones no other op of the action reads). With one stage this is gradient accumulation:
 micro-batches run one after another (PreferBackward: F0 B0 F1 B1 ...), so activations of one
 micro-batch are alive at a time. Returns ``Schedule``: {(copy, stage): [(action, ops)]} for
 tests and the timeline tool.
@@ -60,6 +61,16 @@ def _downstream_of_switches(ops):
   return found
 
 
+def _sinks(ops):
+  """The ops of ``ops`` that no other op of ``ops`` reads or waits for: when they are done,
+  every op of ``ops`` is (a NoOp waiting for all of them had thousands of control inputs, and
+  building it grew faster than the graph)."""
+  members = set(ops)
+  return [op for op in ops
+          if not any(c in members for t in op.outputs for c in t.consumers()) and
+          not any(c in members for c in compat.control_outputs(op))]
+
+
 def schedule(ctx):
   """Runs the pass; see the module docstring."""
   plan = ctx.plan
@@ -93,7 +104,7 @@ def schedule(ctx):
                   not any(x in members for x in op.control_inputs):
                 compat.add_control_inputs(op, [previous_done])
           with tf.device(ctx.worker.device_of(c, s)):
-            previous_done = tf.group(*top_level,
+            previous_done = tf.group(*_sinks(top_level),
                                      name="epl_schedule/c%d_s%d_%s" % (c, s, action))
           actions.append((action, [op for op, _ in pairs]))
         placed[(c, s)] = actions

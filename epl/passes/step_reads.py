@@ -99,14 +99,18 @@ def step_reads(ctx):
 
 
 def _steps(updates, clones, analysis):
-  """{update op: the ops of its train op's step}: what the ends downstream of the update (its
-  train op) depend on, with every micro-batch's clone of those ops -- the updates take only
-  micro-batch 0's gradients until gradient_sync accumulates them, and a later micro-batch's
-  input gradient that reads a weight is upstream of no update of that weight (tf.gradients
-  does not gate an op's gradients together, as compute_gradients does)."""
+  """{update op (one that writes a variable): the ops of its train op's step}: what the ends
+  downstream of the update (its train op) depend on, with every micro-batch's clone of those
+  ops -- the updates take only micro-batch 0's gradients until gradient_sync accumulates them,
+  and a later micro-batch's input gradient that reads a weight is upstream of no update of
+  that weight (tf.gradients does not gate an op's gradients together, as compute_gradients
+  does). One walk per train op: asked for every op of apply_gradients (constants, casts with
+  ends of their own), it walked the graph hundreds of times (27 s of a 30 s rewrite)."""
   ends_of, by_ends, out = TrainEnds(), {}, {}
   for per_copy in updates:
     for op in per_copy:
+      if written(op) is None:     # not an update (a constant, a cast of apply_gradients)
+        continue
       ends = ends_of(op)
       if ends not in by_ends:
         step = _walk(ends, upstream=True)

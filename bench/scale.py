@@ -1,0 +1,214 @@
+"""Real model sizes: what a worker pays before its first step, per layout (#36).
+
+  python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
+                        [--steps 5] [--json]
+
+Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
+CPU devices): a GPT-style stack of L transformer blocks (hidden 256, 4 heads, sequence 32,
+vocabulary 512, Adam), 8 rows per model copy per step. Layouts:
+  local          the plain TF script (no epl), 8 rows
+  dp8            epl, replicate(1) on 8 devices: 8 copies, 64 rows
+  dp8_m4         the same with pipeline.num_micro_batch 4 (gradient accumulation), 64 rows
+  pipe4_dp2_m8   4 pipeline stages x 2 replicas on 8 devices, 8 micro-batches, 16 rows
+``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence 32, 8 rows per step)
+local, and on 2 devices x 4 micro-batches at the same global batch.
+
+Per configuration it prints: the user's ops, the ops in the process's graph after the rewrite,
+epl's rewrite seconds, seconds from the process's start to the end of the first step, the
+steady step (median of ``--steps`` after two warm ones) and the process's peak RSS (one process
+per host here: the host's too). Then the ratios the issue sets targets for, measured in this
+run: start -> first step over the local script's (target <= 3 for 12 and 24 layers), host RSS
+over the local script's per device copy (target <= 2), DP 8's steady step over 8x the local
+one (<= 1.2), BERT DP 2 x 4 micro-batches over the local step (<= 1.1).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+STARTED = time.time()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = ("local", "dp8", "dp8_m4", "pipe4_dp2_m8")
+ROWS = 8                      # per model copy per step
+SEQ, VOCAB = 32, 512
+
+
+def _gelu(tf):
+  return lambda x: 0.5 * x * (1.0 + tf.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+
+def _block(tf, h, hidden, heads, name):
+  size = hidden // heads
+
+  def norm(x, scope):
+    with tf.variable_scope(scope):
+      mean, var = tf.nn.moments(x, [-1], keep_dims=True)
+      gamma = tf.get_variable("gamma", [hidden], initializer=tf.ones_initializer())
+      beta = tf.get_variable("beta", [hidden], initializer=tf.zeros_initializer())
+      return (x - mean) * tf.rsqrt(var + 1e-5) * gamma + beta
+
+  with tf.variable_scope(name):
+    a = norm(h, "ln_1")
+    qkv = tf.layers.dense(a, 3 * hidden, name="c_attn")
+    q, k, v = [tf.transpose(tf.reshape(t, [-1, SEQ, heads, size]), [0, 2, 1, 3])
+               for t in tf.split(qkv, 3, axis=-1)]
+    scores = tf.matmul(q, k, transpose_b=True) / size ** 0.5
+    mask = tf.linalg.band_part(tf.ones([SEQ, SEQ]), -1, 0)
+    scores = scores * mask - 1e4 * (1 - mask)
+    ctx = tf.reshape(tf.transpose(tf.matmul(tf.nn.softmax(scores), v), [0, 2, 1, 3]),
+                     [-1, SEQ, hidden])
+    h = h + tf.layers.dense(ctx, hidden, name="c_proj")
+    m = tf.layers.dense(norm(h, "ln_2"), 4 * hidden, activation=_gelu(tf), name="c_fc")
+    return h + tf.layers.dense(m, hidden, name="mlp_proj")
+
+
+def build(tf, epl, layers, hidden, heads, stages):
+  """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes."""
+  tokens = tf.placeholder(tf.int32, [None, SEQ], name="tokens")
+  labels = tf.placeholder(tf.int32, [None, SEQ], name="labels")
+  per_stage = -(-layers // stages)
+
+  def scope(i):
+    if stages == 1:
+      import contextlib
+      return contextlib.nullcontext()
+    return epl.replicate(1, name="stage_%d" % min(i // per_stage, stages - 1))
+
+  with scope(0):
+    wte = tf.get_variable("wte", [VOCAB, hidden],
+                          initializer=tf.random_normal_initializer(stddev=0.02))
+    wpe = tf.get_variable("wpe", [SEQ, hidden],
+                          initializer=tf.random_normal_initializer(stddev=0.01))
+    h = tf.gather(wte, tokens) + wpe
+  for i in range(layers):
+    with scope(i):
+      h = _block(tf, h, hidden, heads, "h%d" % i)
+  with scope(layers - 1):
+    logits = tf.layers.dense(h, VOCAB, name="lm_head")
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    train = tf.train.AdamOptimizer(1e-4).minimize(loss)
+  return tokens, labels, loss, train
+
+
+def child(spec):
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")         # tf.layers (epl sets it too)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+  import resource
+  import numpy as np
+  import tensorflow.compat.v1 as tf
+  tf.disable_v2_behavior()
+  layout = spec["layout"]
+  devices, micro, stages = {"local": (1, 1, 1), "dp8": (8, 1, 1), "dp8_m4": (8, 4, 1),
+                            "pipe4_dp2_m8": (8, 8, 4), "dp2_m4": (2, 4, 1)}[layout]
+  copies = devices // stages
+  epl, rewrite = None, {}
+  if layout != "local":
+    import epl
+    from epl.runtime import driver
+    original = driver.rewrite
+
+    def timed(state):
+      began = time.time()
+      try:
+        return original(state)
+      finally:
+        rewrite.setdefault("seconds", time.time() - began)
+    driver.rewrite = timed
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "pipeline.num_micro_batch": micro, "log.progress_secs": 0}))
+    if stages == 1:
+      epl.set_default_strategy(epl.replicate(1))
+  tokens, labels, loss, train = build(tf, epl, spec["layers"], spec["hidden"], spec["heads"],
+                                      stages)
+  graph = tf.get_default_graph()
+  user_ops = len(graph.get_operations())
+  rows = spec.get("rows") or ROWS * copies
+  rng = np.random.RandomState(0)
+  feed = {tokens: rng.randint(0, VOCAB, [rows, SEQ]), labels: rng.randint(0, VOCAB, [rows, SEQ])}
+  times = []
+  with tf.Session() as sess:
+    sess.run(tf.global_variables_initializer())
+    for step in range(spec["steps"] + 3):
+      began = time.time()
+      sess.run(train, feed)
+      times.append(time.time() - began)
+      if step == 0:
+        first = time.time() - STARTED
+  steady = sorted(times[3:])[len(times[3:]) // 2]
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20      # KiB -> GiB
+  print(json.dumps(dict(spec, user_ops=user_ops, ops=len(graph.get_operations()),
+                        rewrite=rewrite.get("seconds"), first=first, steady=steady,
+                        rss=rss, host_rss=rss, copies=copies, rows=rows)), flush=True)
+
+
+def run(spec):
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+  if out.returncode or not lines:
+    return dict(spec, error=(out.stderr or out.stdout)[-600:])
+  return json.loads(lines[-1])
+
+
+def _row(r):
+  if "error" in r:
+    return "%-28s failed: %s" % (r["name"], r["error"].strip().splitlines()[-1])
+  return "%-28s %8d %9d %8s %9.1f %9.3f %7.2f" % (
+      r["name"], r["user_ops"], r["ops"], "-" if r["rewrite"] is None else "%.1f" % r["rewrite"],
+      r["first"], r["steady"], r["host_rss"])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--layers", default="6,12,24")
+  p.add_argument("--layouts", default=",".join(LAYOUTS))
+  p.add_argument("--bert", action="store_true")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--json", action="store_true")
+  args = p.parse_args()
+  if args.child:
+    return child(json.loads(args.child))
+  specs = [dict(name="L%s %s" % (layers, layout), layers=int(layers), hidden=256, heads=4,
+                layout=layout, steps=args.steps)
+           for layers in args.layers.split(",") if layers for layout in args.layouts.split(",")]
+  if args.bert:
+    specs += [dict(name="BERT-base local", layers=12, hidden=768, heads=12, layout="local",
+                   steps=args.steps, rows=ROWS),
+              dict(name="BERT-base dp2_m4", layers=12, hidden=768, heads=12, layout="dp2_m4",
+                   steps=args.steps, rows=ROWS)]
+  print("%-28s %8s %9s %8s %9s %9s %7s" % ("configuration", "user ops", "graph ops",
+                                          "rewrite", "1st step", "steady", "RSS GiB"))
+  results = []
+  for spec in specs:
+    results.append(run(spec))
+    print(_row(results[-1]), flush=True)
+  ok = {r["name"]: r for r in results if "error" not in r}
+  print("\nratios (this run):")
+  for r in ok.values():
+    if r["layout"] == "local":
+      continue
+    base = ok.get("L%d local" % r["layers"]) if r["name"].startswith("L") else \
+        ok.get("BERT-base local")
+    if base is None:
+      continue
+    line = "%-28s first step %.1fx local (target <= 3 at 12, 24 layers); host RSS %.2fx " \
+           "local per copy (target <= 2)" % (r["name"], r["first"] / base["first"],
+                                             r["host_rss"] / (base["host_rss"] * r["copies"]))
+    if r["layout"] == "dp8":
+      line += "; steady %.2fx 8x local (target <= 1.2)" % (r["steady"] / (8 * base["steady"]))
+    if r["layout"] == "dp2_m4":
+      line += "; steady %.2fx local at equal batch (target <= 1.1)" % (
+          r["steady"] / base["steady"])
+    print(line)
+  if args.json:
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  main()
