@@ -4,8 +4,9 @@ Expects: the clones of the replicate and micro_batch passes, the plan's gradient
 output of ``tf.gradients`` for each variable, and what ``apply_gradients`` was handed) and the
 update phase (``apply``: everything the step runs once after the gradients).
 
-For each gradient and copy, the micro-batch gradients are accumulated into one (a running
-sum, each micro-batch weighted by its share of the fed rows, divided by M for ``mean``).
+For each gradient and copy, the micro-batch gradients are accumulated into one
+(accumulate.py: a running sum, each micro-batch weighted by its share of the fed rows,
+divided by M for ``mean``).
 Then, with ``communication.clip_after_allreduce`` (the default), the accumulated raw
 gradients are all-reduced across every copy of the job and every update op that read the raw
 gradient -- the user's clipping, a custom optimizer, summaries -- reads the all-reduced one:
@@ -27,11 +28,12 @@ writes the gradient.
 import dataclasses
 from typing import Dict, List, Tuple
 
-import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl.collectives import by_worker
 from epl.errors import NotImplementedYetError, PlanError
+from epl.passes.accumulate import (Item, Weights, accumulate, copy_tensor, loose_rows, parts_of,
+                                   readers_of, rewire_all)
 from epl.passes.clone import rewire
 from epl.passes.grad_stream import stream, streamable
 from epl.passes.slots import train_groups
@@ -51,33 +53,12 @@ class SyncReport:
     return [v for b in self.buckets for v in b] + list(self.gathered)
 
 
-@dataclasses.dataclass
-class _Item:
-  variable: str
-  taskgraph: int
-  grad: object                        # the user's tensor (Tensor or IndexedSlices)
-  per_copy: list                      # what each copy contributes (accumulated)
-  readers: list                       # update ops reading ``grad`` (the user's ops)
-  first: list                         # what copy c's readers read now
-  copies: list = None                 # the local copies that hold the variable
-  part: int = 0                       # its part (device index) in a split TaskGraph
-
-  @property
-  def size(self):
-    t = self.grad.values if isinstance(self.grad, tf.IndexedSlices) else self.grad
-    return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else None
-
-
 def _get(graph, names):
   """A plan gradient's tensors in the user's graph (a Tensor or IndexedSlices)."""
   get = graph.get_tensor_by_name
   if len(names) == 3:
     return tf.IndexedSlices(get(names[0]), get(names[1]), get(names[2]) if names[2] else None)
   return get(names[0])
-
-
-def _parts(grad):
-  return [grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad]
 
 
 def gradient_sync(ctx):
@@ -99,6 +80,8 @@ def gradient_sync(ctx):
   raw_items, applied_items = [], []
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
+    weights = Weights(replication.row_weights) if replication.row_weights is not None \
+        else None
     for g in plan.gradients:
       var_op = graph.get_operation_by_name(g.variable)
       if var_op.name not in replication.mirrored:
@@ -108,99 +91,21 @@ def gradient_sync(ctx):
             "optimizer's var_list." % var_op.outputs[0].name)
       tg = ctx.owner[var_op]
       grad = _get(graph, g.tensors)
-      item = _accumulate(ctx, clones, replication.row_weights, var_op, tg, grad, update)
+      item = accumulate(ctx, clones, weights, var_op, tg, grad, update)
       if after_allreduce or not g.applied or g.applied == g.tensors:
         raw_items.append(item)
         continue
-      _rewire_all(clones, item, item.per_copy)             # the copy's own gradient
+      rewire_all(clones, item, item.per_copy)             # the copy's own gradient
       applied = _get(graph, g.applied)
-      applied_items.append(_Item(g.variable, tg, applied, [
-          _copy_tensor(clones, c, applied) for c in item.copies],
-          _readers(applied, update), [_copy_tensor(clones, c, applied)
+      applied_items.append(Item(g.variable, tg, applied, [
+          copy_tensor(clones, c, applied) for c in item.copies],
+          readers_of(applied, update), [copy_tensor(clones, c, applied)
                                       for c in item.copies], item.copies, item.part))
     if plan.total_copies > 1:
       _reduce(ctx, raw_items + applied_items, report)
   return report
 
 
-def _copy_tensor(clones, c, grad, m=0):
-  if isinstance(grad, tf.IndexedSlices):
-    shape = grad.dense_shape
-    if shape is not None and clones.tensor(c, shape, m) is not None:
-      shape = clones.tensor(c, shape, m)
-    return tf.IndexedSlices(clones.tensor(c, grad.values, m), clones.tensor(c, grad.indices, m),
-                            shape)
-  return clones.tensor(c, grad, m)
-
-
-def _readers(grad, update):
-  """{tensor: the update ops reading it} for each tensor of a gradient (before rewiring)."""
-  return {t: [c for c in t.consumers() if c in update] for t in _parts(grad)}
-
-
-def _accumulate(ctx, clones, weights, var_op, tg, grad, update):
-  """Each copy's gradient accumulated over its micro-batches (weighted by fed rows)."""
-  worker, count = ctx.worker, ctx.plan.num_micro_batch
-  mean = ctx.plan.communication.reduce_method == "mean"
-  part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
-  copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
-  if ctx.plan.stride(tg) > 1:
-    weights = None          # a split (or narrower) TaskGraph sees several copies' rows at once
-  per_copy, first = [], []
-  for c in copies:
-    with tf.device(worker.device_of(c, tg, part)):
-      parts = [_copy_tensor(clones, c, grad, m) for m in range(count)]
-      first.append(parts[0])
-      if weights is not None:
-        parts = [_scaled(p, weights[c * count + m]) for m, p in enumerate(parts)]
-      per_copy.append(_sum(parts, count if mean else 1))
-  item = _Item(var_op.name, tg, grad, per_copy, _readers(grad, update), first, copies, part)
-  if count > 1 or weights is not None:
-    _rewire_all(clones, item, per_copy)
-    item.first = list(per_copy)
-  return item
-
-
-def _scaled(grad, weight):
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * tf.cast(weight, grad.values.dtype), grad.indices,
-                            grad.dense_shape)
-  return grad * tf.cast(weight, grad.dtype)
-
-
-def _loose_rows(t):
-  """``t`` with an unknown first dimension: rows gathered from several micro-batches or
-  copies differ in number from what the user's ops were built for (static shapes)."""
-  return tf.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
-
-
-def _sum(parts, divide_by):
-  if isinstance(parts[0], tf.IndexedSlices):
-    if len(parts) == 1:
-      values, indices = parts[0].values, parts[0].indices
-    else:
-      values = _loose_rows(tf.concat([p.values for p in parts], axis=0))
-      indices = _loose_rows(tf.concat([p.indices for p in parts], axis=0))
-    if divide_by > 1:
-      values = values / tf.cast(divide_by, values.dtype)
-    return tf.IndexedSlices(values, indices, parts[0].dense_shape)
-  # a running sum: each micro-batch's gradient is freed as soon as it is added (add_n would
-  # keep all M of them alive until the last one arrives)
-  total = parts[0]
-  for part in parts[1:]:
-    total = total + part
-  return total / tf.cast(divide_by, total.dtype) if divide_by > 1 else total
-
-
-def _rewire_all(clones, item, new):
-  """Makes copy c's update ops that read ``item.first[c]`` read ``new[c]``."""
-  for c, old, value in zip(item.copies, item.first, new):
-    for part_old, part_new, original in zip(_parts(old), _parts(value), _parts(item.grad)):
-      users = [clones.op(c, u) for u in item.readers[original]]
-      rewire(part_old, part_new, [u for u in users if u is not None])
-
-
-# ---- across copies ------------------------------------------------------------------------
 def _reduce(ctx, items, report):
   dense, plan = {}, ctx.plan
   # zero.level v1: each gradient is summed where its owner is, the only copy whose update
@@ -226,12 +131,12 @@ def _reduce(ctx, items, report):
     if scatter:
       _scatter_to_owners(ctx, tg, part, group, owners, report)
       continue
-    group = sorted(group, key=lambda item: ready[_parts(item.grad)[0].op])
+    group = sorted(group, key=lambda item: ready[parts_of(item.grad)[0].op])
     if owner < 0:
       streamed = [item for item in group if streamable(ctx, tg, part, item)]
       chain = []                       # their blocks in readiness order share one limit
       for item in streamed:
-        _rewire_all(ctx.clones(), item, stream(ctx, tg, part, item, report.collective_ops, chain))
+        rewire_all(ctx.clones(), item, stream(ctx, tg, part, item, report.collective_ops, chain))
         report.buckets.append([item.variable])
         report.streamed.append(item.variable)
       group = [item for item in group if item not in streamed]
@@ -312,7 +217,7 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
       for i_copy, c in enumerate(copies):
         _rewire_sparse_as_dense(ctx.clones(), i_copy, c, item, news[i_copy][i])
     else:
-      _rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
+      rewire_all(ctx.clones(), item, [news[c][i] for c in range(len(devices))])
   report.buckets.append([item.variable for item in bucket])
 
 
@@ -362,7 +267,7 @@ def _scatter_to_owners(ctx, tg, part, items, owners, report):
       index = 0 if plan.memory.zero == "v2" else copies.index(local[owners[item.variable]])
       new = list(item.first)
       new[index] = tf.reshape(piece, item.first[index].shape)
-      _rewire_all(ctx.clones(), item, new)
+      rewire_all(ctx.clones(), item, new)
   report.buckets.append([item.variable for item in items])
 
 
@@ -391,9 +296,9 @@ def _gather_sparse(ctx, item, report):
   news = []
   for c, device in enumerate(devices):
     with tf.device(device):
-      v = _loose_rows(values[c])
+      v = loose_rows(values[c])
       if plan.communication.reduce_method == "mean":
         v = v / tf.cast(len(group), v.dtype)
-      news.append(tf.IndexedSlices(v, _loose_rows(indices[c]), item.per_copy[c].dense_shape))
-  _rewire_all(ctx.clones(), item, news)
+      news.append(tf.IndexedSlices(v, loose_rows(indices[c]), item.per_copy[c].dense_shape))
+  rewire_all(ctx.clones(), item, news)
   report.gathered.append(item.variable)

@@ -1,0 +1,135 @@
+"""Accumulation: each copy's gradient summed over its micro-batches (gradient_sync's first half).
+
+A running sum, each micro-batch weighted by its share of the fed rows (``row_weights``: one
+scalar per copy and micro-batch, taken apart once), divided by M for ``mean``; sparse
+gradients (``IndexedSlices``) are concatenated. The copy's update ops are rewired to read the
+sum. ``Item`` is what gradient_sync then reduces across copies.
+"""
+import dataclasses
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl.passes.clone import rewire
+
+@dataclasses.dataclass
+class Item:
+  variable: str
+  taskgraph: int
+  grad: object                        # the user's tensor (Tensor or IndexedSlices)
+  per_copy: list                      # what each copy contributes (accumulated)
+  readers: list                       # update ops reading ``grad`` (the user's ops)
+  first: list                         # what copy c's readers read now
+  copies: list = None                 # the local copies that hold the variable
+  part: int = 0                       # its part (device index) in a split TaskGraph
+
+  @property
+  def size(self):
+    t = self.grad.values if isinstance(self.grad, tf.IndexedSlices) else self.grad
+    return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else None
+
+
+
+def parts_of(grad):
+  return [grad.values, grad.indices] if isinstance(grad, tf.IndexedSlices) else [grad]
+
+
+
+def copy_tensor(clones, c, grad, m=0):
+  if isinstance(grad, tf.IndexedSlices):
+    shape = grad.dense_shape
+    if shape is not None and clones.tensor(c, shape, m) is not None:
+      shape = clones.tensor(c, shape, m)
+    return tf.IndexedSlices(clones.tensor(c, grad.values, m), clones.tensor(c, grad.indices, m),
+                            shape)
+  return clones.tensor(c, grad, m)
+
+
+def readers_of(grad, update):
+  """{tensor: the update ops reading it} for each tensor of a gradient (before rewiring)."""
+  return {t: [c for c in t.consumers() if c in update] for t in parts_of(grad)}
+
+
+def accumulate(ctx, clones, weights, var_op, tg, grad, update):
+  """Each copy's gradient accumulated over its micro-batches (weighted by fed rows)."""
+  worker, count = ctx.worker, ctx.plan.num_micro_batch
+  mean = ctx.plan.communication.reduce_method == "mean"
+  part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
+  copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
+  if ctx.plan.stride(tg) > 1:
+    weights = None          # a split (or narrower) TaskGraph sees several copies' rows at once
+  per_copy, first = [], []
+  for c in copies:
+    with tf.device(worker.device_of(c, tg, part)):
+      parts = [copy_tensor(clones, c, grad, m) for m in range(count)]
+      first.append(parts[0])
+      if weights is not None:
+        parts = [_scaled(p, weights, c * count + m) for m, p in enumerate(parts)]
+      per_copy.append(_sum(parts, count if mean else 1))
+  item = Item(var_op.name, tg, grad, per_copy, readers_of(grad, update), first, copies, part)
+  if count > 1 or weights is not None:
+    rewire_all(clones, item, per_copy)
+    item.first = list(per_copy)
+  return item
+
+
+class Weights:
+  """The weight of each (copy, micro-batch) piece: ``row_weights`` taken apart once, each
+  scalar cast once per dtype (sliced per variable, they were a third of this pass)."""
+
+  def __init__(self, row_weights):
+    self._tensor = row_weights
+    self._pieces = None
+    self._cast = {}
+
+  def __getitem__(self, key):
+    index, dtype = key
+    if (index, dtype) not in self._cast:
+      if self._pieces is None:
+        with tf.device(self._tensor.device):
+          self._pieces = tf.unstack(self._tensor)
+      piece = self._pieces[index]
+      self._cast[(index, dtype)] = piece if piece.dtype == dtype else tf.cast(piece, dtype)
+    return self._cast[(index, dtype)]
+
+
+def _scaled(grad, weights, index):
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * weights[index, grad.values.dtype.base_dtype],
+                            grad.indices, grad.dense_shape)
+  return grad * weights[index, grad.dtype.base_dtype]
+
+
+def loose_rows(t):
+  """``t`` with an unknown first dimension: rows gathered from several micro-batches or
+  copies differ in number from what the user's ops were built for (static shapes)."""
+  return tf.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
+
+
+def _sum(parts, divide_by):
+  if isinstance(parts[0], tf.IndexedSlices):
+    if len(parts) == 1:
+      values, indices = parts[0].values, parts[0].indices
+    else:
+      values = loose_rows(tf.concat([p.values for p in parts], axis=0))
+      indices = loose_rows(tf.concat([p.indices for p in parts], axis=0))
+    if divide_by > 1:
+      values = values / tf.cast(divide_by, values.dtype)
+    return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+  # a running sum: each micro-batch's gradient is freed as soon as it is added (add_n would
+  # keep all M of them alive until the last one arrives)
+  total = parts[0]
+  for part in parts[1:]:
+    total = total + part
+  return total / tf.cast(divide_by, total.dtype) if divide_by > 1 else total
+
+
+def rewire_all(clones, item, new):
+  """Makes copy c's update ops that read ``item.first[c]`` read ``new[c]``."""
+  for c, old, value in zip(item.copies, item.first, new):
+    for part_old, part_new, original in zip(parts_of(old), parts_of(value), parts_of(item.grad)):
+      users = [clones.op(c, u) for u in item.readers[original]]
+      rewire(part_old, part_new, [u for u in users if u is not None])
+
+
+# ---- across copies ------------------------------------------------------------------------
