@@ -141,26 +141,43 @@ def test_any_worker_exit_ends_the_job_within_10_s_naming_it(tmp_path, how, says)
   assert ended - left_at < 10, "the job ended %.1f s after worker 1 left" % (ended - left_at)
 
 
-def test_a_peer_that_notices_first_names_the_worker_that_ended_and_how(tmp_path):
-  """One launcher per worker (as on two hosts), one log directory: worker 1's sys.exit(3)
-  reaches worker 0 as a failed collective, and worker 0's error names worker 1, its exit code
-  and its step -- not a hint about request ids."""
+@pytest.mark.parametrize("how,logs,says", [
+    ("exit3", "shared", "epl worker 0 stops: worker 1 ended (exit code 3) at step 30"),
+    ("exit3", "apart", "epl worker 0 stops: worker 1 ended (exit code 3) at step 30"),
+    ("return", "apart", "epl worker 0 stops: worker 1 ended (exit code 0) at step 30 while "
+                        "this worker waits in step 31"),
+])
+def test_a_peer_on_another_host_names_the_worker_that_ended_and_how(tmp_path, how, logs, says):
+  """One launcher per worker, as on two hosts; their log directories shared (the peer reads
+  the ended worker's status file) or apart (the flag the ended worker left on the peer's
+  server). Worker 1 ends at step 30; worker 0's error names it, how and when -- within 10 s,
+  also when worker 1's loop just ended early (exit code 0: it used to wait out the farewell's
+  minute) -- and says nothing of request ids."""
   from epl.launch.spec import free_ports
   hosts = ",".join("localhost:%d" % p for p in free_ports(2))
   launchers = [_launch(["--num_workers", "2", "--machine_list", hosts, "--machine_rank",
-                        str(rank), "--log_dir", str(tmp_path), EXIT, "1", "30", "exit3"])
+                        str(rank), "--log_dir",
+                        str(tmp_path if logs == "shared" else tmp_path / str(rank)),
+                        EXIT, "1", "30", how])
                for rank in (0, 1)]
   try:
-    outs = [launcher.communicate(timeout=120)[0] for launcher in launchers]
+    out0 = launchers[0].communicate(timeout=120)[0]
+    ended = time.time()
+    out1 = launchers[1].communicate(timeout=120)[0]
   finally:
     for launcher in launchers:
       if launcher.poll() is None:
         launcher.kill()
-  assert [launcher.returncode for launcher in launchers] == [1, 1], outs
-  assert "worker 1 failed (exit code 3) at step 30" in outs[1], outs[1][-3000:]
-  assert "epl worker 0 stops: worker 1 ended (exit code 3) at step 30" in outs[0], \
-      outs[0][-3000:]
-  assert "request" not in outs[0] and "duplicate" not in outs[0]
+  assert launchers[0].returncode == 1, out0[-3000:]
+  assert says in out0, out0[-3000:]
+  assert "request" not in out0 and "duplicate" not in out0
+  mark = [line for line in out1.splitlines() if "worker 1 ends (%s)" % how in line]
+  left_at = float(mark[0].rsplit(" at ", 1)[1])
+  assert ended - left_at < 10, "worker 0's job ended %.1f s after worker 1 left" % (
+      ended - left_at)
+  if how == "exit3":
+    assert launchers[1].returncode == 1 and \
+        "worker 1 failed (exit code 3) at step 30" in out1, out1[-3000:]
 
 
 def test_a_frozen_worker_is_reported_with_what_its_process_does(tmp_path):

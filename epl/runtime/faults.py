@@ -129,17 +129,24 @@ def _ended(status_file, worker):
       if status_file else None
   if event is None:
     return ""
-  return "worker %d ended (exit code %s) at step %s" % (worker, event.get("code"),
-                                                      event.get("steps"))
+  return ended_text(worker, event.get("steps"), event.get("code"))
 
 
-def peer_error(error, cluster, timeout, status_file=""):
-  """The PeerError that explains ``error`` (a TF error of a step with collectives)."""
+def ended_text(worker, steps, code):
+  return "worker %d ended (exit code %s) at step %s" % (worker, code, steps)
+
+
+def peer_error(error, cluster, timeout, status_file="", ended_peers=None):
+  """The PeerError that explains ``error`` (a TF error of a step with collectives).
+  ``ended_peers``: serve.EndedPeers of this worker (what peers on other hosts left as they
+  ended), or None."""
   me = cluster.worker_index
   peers = [(w, h) for w, h in enumerate(cluster.worker_hosts) if w != me]
   gone = [(w, h) for w, h in peers if not reachable(h)]
   first = essence(error)
   ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
+  if not ended and ended_peers is not None:
+    ended = [ended_text(w, steps, code) for w, (steps, code) in ended_peers().items()]
   if cleared_from_outside(error) and not isinstance(error, tf.errors.AbortedError):
     what = "its state was cleared from outside the job (%s). %s" % (first, OUTSIDE)
   elif ended:
@@ -178,8 +185,9 @@ class PeerWatch:
   """
 
   def __init__(self, cluster, timeout, check_after=5.0, interval=1.0, exit_fn=os._exit,
-               beat=None, status_file=""):
+               beat=None, status_file="", ended_peers=None):
     self._cluster = cluster
+    self._ended_peers = ended_peers       # serve.EndedPeers: peers that left as they ended
     self._timeout = timeout
     self._beat = beat                     # epl.runtime.heartbeat.Heartbeat, ticked here
     self.training = False                 # the runs to come train (the beat counts them)
@@ -228,13 +236,33 @@ class PeerWatch:
       if since is None or time.time() - since < self._check_after:
         missing = set()
         continue
+      early = self._left_before_this_step()
+      if early:
+        self._stop(PeerError(
+            "epl worker %d stops: %s while this worker waits in step %d. The job cannot "
+            "continue without every worker; restart it (from the last checkpoint)." % (
+                self._cluster.worker_index, "; ".join(early), self._beat.steps + 1)))
+        return
       gone = set(self._gone())
       if gone & missing:
-        error = peer_error(tf.errors.UnavailableError(None, None, "the step waits on it"),
-                           self._cluster, self._timeout, self._status_file)
-        log.error("%s", error)
-        for handler in log.handlers:
-          handler.flush()
-        self._exit(1)
+        self._stop(peer_error(tf.errors.UnavailableError(None, None, "the step waits on it"),
+                              self._cluster, self._timeout, self._status_file,
+                              self._ended_peers))
         return
       missing = gone
+
+  def _left_before_this_step(self):
+    """"worker 1 ended (exit code 0) at step 30" for each peer that ended after fewer
+    training steps than this training step needs (its ended flag; another host's launcher
+    cannot tell this worker)."""
+    if self._ended_peers is None or self._beat is None or not self.training:
+      return []
+    done = self._beat.steps
+    return [ended_text(w, steps, code) for w, (steps, code) in self._ended_peers().items()
+            if steps <= done]
+
+  def _stop(self, error):
+    log.error("%s", error)
+    for handler in log.handlers:
+      handler.flush()
+    self._exit(1)

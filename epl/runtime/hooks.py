@@ -36,6 +36,7 @@ class Dispatcher:
     self._check = None            # (check op, its step detector) until the first step ran
     self._peers = None            # faults.PeerWatch of a multi-worker job
     self._trains = None           # its step detector: which runs train (the steps it counts)
+    self._ended = None            # serve.EndedPeers: what peers on other hosts left at exit
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
     self._status = None           # a step detector until the first training step ran, when
@@ -206,9 +207,11 @@ class Dispatcher:
     if plan.worker_num == 1:
       return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
     if self._peers is None:
+      self._ended = serve.EndedPeers(state)
       self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout,
                                      beat=state.heartbeat,
-                                     status_file=state.config.launch.status_file)
+                                     status_file=state.config.launch.status_file,
+                                     ended_peers=self._ended)
       self._trains = Progress(pg, 0)
     self._peers.training = self._trains.trains_fetches(session.graph, fetches)
 
@@ -227,7 +230,7 @@ class Dispatcher:
           faults.cleared_from_outside(e)):
         raise                              # the script's own error (before training, say)
       error = faults.peer_error(e, state.cluster, plan.communication.timeout,
-                                state.config.launch.status_file)
+                                state.config.launch.status_file, self._ended)
       log.error("%s", error)
       raise error from e
 

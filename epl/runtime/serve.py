@@ -17,6 +17,7 @@ said goodbye, and otherwise stops with an error naming the client it lost.
 """
 import atexit
 import logging
+import threading
 import time
 
 import tensorflow.compat.v1 as tf
@@ -64,6 +65,8 @@ def arrange_exit(state, plan):
   def on_exit():
     if state.heartbeat is not None:          # before the farewell: the launcher reads it
       state.heartbeat.ended(exits.code or 0)
+      tell_peers_ended(state, [c for c in clients if c != me], state.heartbeat.steps,
+                       exits.code or 0 if exits is not None else 0)
     if exits is not None and exits.failed:   # an exception, sys.exit(n != 0): no farewell
       return
     if len(clients) > 1 and 0 in clients:        # task 0 leads every collective group
@@ -75,6 +78,76 @@ def arrange_exit(state, plan):
     if goodbye is not None:
       _say_goodbye(state, goodbye, servers_only)
   atexit.register(on_exit)
+
+
+def _ended_flag(device, worker):
+  with tf.device(device):
+    return state_ops.variable_op_v2([2], tf.int64, name="epl_ended/worker_%d" % worker)
+
+
+def tell_peers_ended(state, peers, steps, code, seconds=3.0):
+  """Leaves ``[steps, code]`` in a flag on each peer's server that accepts connections
+  (``epl_ended/worker_<me>``), for a peer on another host that waits in a step for this
+  worker: its PeerWatch reads it (``EndedPeers``) and ends with an error naming this worker,
+  how it ended and at which step, within seconds instead of after the farewell's minute.
+  Gives up after ``seconds``: a stopped peer accepts connections but never answers (its
+  session would wait forever), and this process must still end."""
+  thread = threading.Thread(target=_tell, args=(state, peers, steps, code, seconds),
+                            name="epl-tell-peers", daemon=True)
+  thread.start()
+  thread.join(seconds)
+
+
+def _tell(state, peers, steps, code, seconds):
+  peers = [w for w in peers if reachable(state.cluster.worker_hosts[w], timeout=1.0)]
+  if not peers:
+    return
+  me = state.cluster.worker_index
+  graph = tf.Graph()
+  with graph.as_default():
+    value = tf.constant([steps, code], tf.int64)
+    told = tf.group(*[tf.assign(_ended_flag(state.cluster.host(w), me), value,
+                                validate_shape=False) for w in peers])
+  config = session_target_config(state.cluster, tf.ConfigProto())
+  config.device_filters.extend("/job:worker/task:%d" % w for w in peers)
+  try:
+    with tf.Session(state.server.target, graph=graph, config=config) as sess:
+      sess.run(told, options=tf.RunOptions(timeout_in_ms=int(seconds * 1000)))
+  except tf.errors.OpError as e:                 # a peer already gone
+    log.debug("could not tell the peers this worker ended: %s", e)
+
+
+class EndedPeers:
+  """``()`` -> {worker: (steps, exit code)} of the peers that left their flag on this
+  worker's server as they ended (``tell_peers_ended``). Its own graph and session."""
+
+  def __init__(self, state):
+    self._state = state
+    self._session = None
+    self._reads = {}
+
+  def __call__(self):
+    state = self._state
+    me, cluster = state.cluster.worker_index, state.cluster
+    if self._session is None:
+      graph = tf.Graph()
+      with graph.as_default():
+        for w in range(cluster.worker_num):
+          if w != me:
+            flag = _ended_flag(cluster.host(me), w)
+            self._reads[w] = (state_ops.is_variable_initialized(flag), tf.identity(flag))
+      config = session_target_config(cluster, tf.ConfigProto())
+      self._session = tf.Session(state.server.target, graph=graph, config=config)
+    found = {}
+    try:
+      known = self._session.run({w: r[0] for w, r in self._reads.items()},
+                                options=tf.RunOptions(timeout_in_ms=5000))
+      for w in sorted(w for w, set_ in known.items() if set_):
+        steps, code = self._session.run(self._reads[w][1])
+        found[w] = (int(steps), int(code))
+    except tf.errors.OpError as e:
+      log.debug("could not read the peers' ended flags: %s", e)
+    return found
 
 
 def _say_goodbye(state, goodbye, servers_only):
