@@ -91,6 +91,11 @@ KEYS = {k.name: k for k in [
     _k("amp.dtype", "str", "float16", ("float16", "bfloat16"),
        help="the low precision of amp.level O1 (bfloat16: no loss scaling needed)",
        requires="amp.level"),
+    _k("graph.grappler", "str", "on", ("on", "off", "auto"),
+       help="TF's graph optimizer (Grappler) in sessions on epl's graph; off: its whole-graph "
+            "passes are skipped (the first step of a cloned graph compiles ~8x faster here); "
+            "auto: off where the worker's graph holds several model copies or micro-batches",
+       unannotated=ACTS),
     _k("optimizer.num_apply_group", "int", 1, minimum=1,
        help="run the optimizer update in this many sequential groups balanced by size",
        unannotated=IMPLICIT),

@@ -36,11 +36,14 @@ def _float16_ops(dtype):
   return check
 
 
-def _session_option(pg, graph, logs):
+def _merged(pg):
   from epl.runtime.session_config import session_config
   state = epl.Env.get()._state  # pylint: disable=protected-access
-  merged = session_config(state.cluster, pg.plan, state.config, None)
-  return merged.gpu_options.visible_device_list == "0"
+  return session_config(state.cluster, pg.plan, state.config, None)
+
+
+def _session_option(pg, graph, logs):
+  return _merged(pg).gpu_options.visible_device_list == "0"
 
 
 # key -> (the value set, the keys it needs with their values, what shows that it acted)
@@ -101,6 +104,8 @@ ALONE = {
     "launch.restart_window": (60, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
+    "graph.grappler": ("off", {}, lambda pg, g, l: _merged(pg).graph_options.rewrite_options
+                       .disable_meta_optimizer),
     "log.stall_secs": (5, {}, "tests/test_launch_edges.py::test_a_frozen_worker_is_reported_with_what_its_process_does"),
     "log.level": ("debug", {}, lambda pg, g, l: any(m.startswith("epl.init:") for m in l)),
 }

@@ -10,7 +10,13 @@ def session_config(cluster, plan, config, user_config, remote_tasks=()):
     run concurrently (TF's shared pool is sized once per process). With one device the shared
     pool is kept: per-session pools cost ~100 us per step here (bench/overhead.py);
   * ``allow_soft_placement`` so that host-only kernels (input pipeline, savers) still place;
-  * ``cluster.run_visible_devices`` -> ``gpu_options.visible_device_list``.
+  * ``cluster.run_visible_devices`` -> ``gpu_options.visible_device_list``;
+  * ``graph.grappler``: off -> ``rewrite_options.disable_meta_optimizer`` (unless the user's
+    ConfigProto sets rewrite options itself). Grappler's passes cost 63% of TF's first step on
+    a graph of model copies and micro-batches, and on these machines the steady step was the
+    same without them (docs/benchmarks.md, "Real model sizes"); with micro-batches and
+    Grappler on, its arithmetic optimizer is turned off (it folds the running sum of the
+    micro-batch gradients into one AddN that keeps all M alive).
   ``plan`` is None for a session opened before the model is built: the Config decides.
   """
   merged = tf.ConfigProto()
@@ -25,7 +31,10 @@ def session_config(cluster, plan, config, user_config, remote_tasks=()):
                                               2 * cluster.gpu_num_per_worker + 2)
   merged.allow_soft_placement = True
   micro = plan.num_micro_batch if plan is not None else config.pipeline.num_micro_batch
-  if micro > 1:
+  if _grappler_off(cluster, plan, config, micro) and \
+      not merged.graph_options.HasField("rewrite_options"):   # the user's own choice stays
+    merged.graph_options.rewrite_options.disable_meta_optimizer = True
+  elif micro > 1:
     # Grappler's arithmetic optimizer folds the running sum of micro-batch gradients into one
     # AddN that waits for the last micro-batch, keeping all M weight gradients alive.
     from tensorflow.core.protobuf import rewriter_config_pb2
@@ -39,3 +48,13 @@ def session_config(cluster, plan, config, user_config, remote_tasks=()):
     for task in remote_tasks:                # stages this worker drives on other workers
       merged.device_filters.append("/job:worker/task:%d" % task)
   return merged
+
+
+def _grappler_off(cluster, plan, config, micro):
+  """graph.grappler: "off", or "auto" where this worker's graph holds clones of the model."""
+  setting = config.graph.grappler
+  if setting != "auto":
+    return setting == "off"
+  if plan is None:                      # a session opened before the model: the Config decides
+    return micro > 1 or cluster.gpu_num_per_worker > 1
+  return micro > 1 or plan.for_worker(cluster.worker_index).num_copies > 1
