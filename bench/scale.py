@@ -68,13 +68,11 @@ def build(tf, epl, layers, hidden, heads, stages):
   """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes."""
   tokens = tf.placeholder(tf.int32, [None, SEQ], name="tokens")
   labels = tf.placeholder(tf.int32, [None, SEQ], name="labels")
-  per_stage = -(-layers // stages)
-
   def scope(i):
     if stages == 1:
       import contextlib
       return contextlib.nullcontext()
-    return epl.replicate(1, name="stage_%d" % min(i // per_stage, stages - 1))
+    return epl.replicate(1, name="stage_%d" % (i * stages // layers))
 
   with scope(0):
     wte = tf.get_variable("wte", [VOCAB, hidden],
