@@ -180,6 +180,28 @@ def test_a_peer_on_another_host_names_the_worker_that_ended_and_how(tmp_path, ho
         "worker 1 failed (exit code 3) at step 30" in out1, out1[-3000:]
 
 
+def test_a_worker_that_notices_a_peer_left_first_does_not_take_the_blame(tmp_path):
+  """Worker 1 ended its script at step 30; worker 0, waiting in step 31, read worker 1's ended
+  flag and failed before the launcher's own 5 s check: the launcher still names worker 1 (a
+  race between the two seen once in CI). Real status files, written by the worker's own
+  Heartbeat and status code."""
+  from epl.launch import status
+  from epl.launch.cli import Job
+  from epl.runtime.heartbeat import Heartbeat
+  files = {w: str(tmp_path / ("worker_%d.status" % w)) for w in (0, 1)}
+  waiting = Heartbeat(files[0])
+  for _ in range(30):
+    waiting.begin()
+    waiting.end()
+  waiting.begin()                                  # in step 31
+  job = Job([], status_files=files)
+  assert job._left_first() == []                   # nobody left yet
+  status.report(files[1], status.ENDED, code=0, steps=30)
+  assert job._left_first() == [(1, 0)]
+  assert job.reason == ("worker 1 ended its script (exit code 0) at step 30 while worker 0 "
+                        "waits in step 31 for it")
+
+
 def test_a_frozen_worker_is_reported_with_what_its_process_does(tmp_path):
   """SIGSTOP of one worker: before the collective timeout the console says which worker the
   job waits for and that its process is stopped (nothing was said for 5 minutes)."""

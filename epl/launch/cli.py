@@ -147,7 +147,9 @@ class Job:
             on_status(index, event)
           seen[index] = len(events)
       failed = [(i, c) for _, i, c in self.exits if c != 0]
-      if not failed and time.time() - self._checked >= 1.0:
+      if failed:
+        failed = self._left_first() or failed
+      elif time.time() - self._checked >= 1.0:
         self._checked = time.time()
         failed = self._check_steps()
       if failed:
@@ -173,6 +175,16 @@ class Job:
       return [(found.left, 0)]
     return []
 
+  def _left_first(self):
+    """[(index, 0)] of a worker that had left its script while the failed one waited in a
+    step for it (the waiting worker may notice first: its peer's ended flag), or []."""
+    found = steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()}, set(),
+                        time.time(), left_wait=0.0)
+    if found.left is None:
+      return []
+    self.reason = found.reason
+    return [(found.left, 0)]
+
   def step_of(self, index):
     """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""
     return steps.step_of(self.status_files.get(index))
@@ -188,6 +200,16 @@ class Job:
         return f.read()
     except OSError:
       return "(no log)"
+
+  def _left_first(self):
+    """[(index, 0)] of a worker that had left its script while the failed one waited in a
+    step for it (the waiting worker may notice first: its peer's ended flag), or []."""
+    found = steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()}, set(),
+                        time.time(), left_wait=0.0)
+    if found.left is None:
+      return []
+    self.reason = found.reason
+    return [(found.left, 0)]
 
   def step_of(self, index):
     """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""

@@ -22,11 +22,11 @@ def process_state(pid):
           "X": "gone"}.get(code, "state %s" % code)
 
 
-def check(status_files, pids, told, now):
+def check(status_files, pids, told, now, left_wait=LEFT_WAIT):
   """One look at the workers (``status_files``: index -> path; ``pids``: index -> the pid the
   launcher started). Returns Found(reports: stall reports not in ``told`` -- (worker, step)
-  pairs, updated --, left: the worker that left its script while another waits for it, or
-  None, and why)."""
+  pairs, updated --, left: the worker that left its script while another has waited
+  ``left_wait`` seconds in a step for it, or None, and why)."""
   beats = {i: status.read_beat(path) for i, path in status_files.items()}
   reports = []
   for i, beat in sorted(beats.items()):
@@ -36,7 +36,7 @@ def check(status_files, pids, told, now):
     for j, path in sorted(status_files.items()):
       left = status.last(path, status.ENDED)
       if j != i and left is not None and not left.get("code") and beat["training"] and \
-          beat["steps"] >= left.get("steps", 0) and waited > LEFT_WAIT:
+          beat["steps"] >= left.get("steps", 0) and waited > left_wait:
         return Found(reports, j, "worker %d ended its script (exit code 0) at step %s while "
                      "worker %d waits in step %d for it" % (j, left.get("steps"), i,
                                                             beat["steps"] + 1))
