@@ -197,3 +197,37 @@ def test_debug_shows_epl_debug_logs_and_tensorflow_noise(tmp_path):
                "[epl w1] collectives:", "[epl w0] rewrite done"):
     assert line in out.stdout, line
   assert "cuInit" in out.stdout
+
+
+def _two_train_ops(progress_secs):
+  """A GAN-shaped pair: train_d reads the dataset, train_g only its own noise; alternate."""
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(3)
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "log.progress_secs": progress_secs}))
+    epl.set_default_strategy(epl.replicate(1))
+    data = np.random.RandomState(0).randn(400, 8).astype(np.float32)
+    x = tf.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(data).batch(4)).get_next()
+    with tf.variable_scope("d"):
+      d_loss = tf.reduce_mean(tf.square(tf.layers.dense(x, 1)))
+    with tf.variable_scope("g"):
+      g_loss = tf.reduce_mean(tf.square(tf.layers.dense(tf.random_normal([4, 8], seed=1), 1)))
+    opt = tf.train.GradientDescentOptimizer(0.1)
+    train_d = opt.minimize(d_loss, var_list=tf.trainable_variables("d"))
+    train_g = opt.minimize(g_loss, var_list=tf.trainable_variables("g"))
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      for _ in range(20):
+        sess.run(train_d)
+        sess.run(train_g)
+      return sess.run(tf.trainable_variables("d"))
+
+
+def test_progress_never_pulls_a_batch_the_step_does_not_read():
+  """The rows the progress report counts come from an input the step reads anyway: a
+  generator step must not pull a batch of the discriminator's dataset (its data would
+  shift, and the model with it)."""
+  quiet, counted = _two_train_ops(0), _two_train_ops(1)
+  for a, b in zip(quiet, counted):
+    np.testing.assert_array_equal(a, b)

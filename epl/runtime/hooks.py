@@ -184,7 +184,7 @@ class Dispatcher:
       # inputs (fetching it only in the reporting step would make TF compile the graph again)
       report = progress.due()
       rows = progress.fed_rows(feed_dict) if feed_dict else None
-      extra = progress.rows_tensor() if rows is None else None
+      extra = progress.rows_tensor(session.graph, fetches) if rows is None else None
       if extra is None:
         result = self._step(session, original, fetches, feed_dict, options, run_metadata)
       else:

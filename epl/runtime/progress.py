@@ -74,7 +74,7 @@ class Progress:
     self._trains = {}
     self._by_fetches = {}
     self._element_types = set()
-    self._rows_tensor = None
+    self._rows_by_fetches = {}
     analysis = parallel.analysis
     self._batch = {op.outputs[0] for op in analysis.batch_placeholders} if analysis else set()
     phases = parallel.plan.op_index
@@ -138,22 +138,42 @@ class Progress:
     rows = [np.shape(v)[0] for k, v in fed if rule.is_batch(k, v)]
     return max(rows) if rows else None
 
-  def rows_tensor(self):
-    """A scalar tensor: the rows every copy and micro-batch read this step (cached)."""
-    if self._rows_tensor is None:
-      pg = self._parallel
-      inputs = [op for op in pg.analysis.cloned
-                if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS] if pg.analysis else []
-      if not inputs:
-        self._rows_tensor = False                 # none: asked once
-        return None
-      first = inputs[0].outputs[0]
-      clones = pg.clones() if pg.replication is not None else None
-      pieces = [t for t in (clones.every(first) if clones else [first]) if t is not None]
-      with compat.unfinalized(pg.graph), pg.graph.as_default(), tf.name_scope(None), \
-          tf.control_dependencies(None), tf.device(pg.worker.host):
-        self._rows_tensor = tf.add_n([tf.shape(t)[0] for t in pieces], name="epl_step_rows")
-    return None if self._rows_tensor is False else self._rows_tensor
+  def rows_tensor(self, graph, fetches):
+    """A scalar tensor: the rows every copy and micro-batch of a step of ``fetches`` read, from
+    the first input (data source or random op) that step reads anyway -- fetching one it does
+    not read would pull a batch the local step never pulls (a GAN's generator step) -- or
+    None. Cached per fetch structure, like ``trains_fetches``."""
+    key = _fetch_key(fetches, self._element_types)
+    if key is not None and key in self._rows_by_fetches:
+      return self._rows_by_fetches[key]
+    found = self._rows_of(flatten(graph, fetches))
+    if key is not None and len(self._rows_by_fetches) < 4096:
+      self._rows_by_fetches[key] = found
+    return found
+
+  def _rows_of(self, elements):
+    pg = self._parallel
+    inputs = [op for op in pg.analysis.cloned
+              if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS] if pg.analysis else []
+    if not inputs:
+      return None
+    upstream, work = set(), [getattr(e, "op", e) for e in elements]
+    while work:
+      op = work.pop()
+      if isinstance(op, tf.Operation) and op not in upstream:
+        upstream.add(op)
+        work.extend(t.op for t in op.inputs)
+        work.extend(op.control_inputs)
+    clones = pg.clones() if pg.replication is not None else None
+    for op in inputs:
+      first = op.outputs[0]
+      pieces = [t for t in (clones.every(first) if clones else [first])
+                if t is not None and t.op in upstream]
+      if pieces:
+        with compat.unfinalized(pg.graph), pg.graph.as_default(), tf.name_scope(None), \
+            tf.control_dependencies(None), tf.device(pg.worker.host):
+          return tf.add_n([tf.shape(t)[0] for t in pieces], name="epl_step_rows")
+    return None
 
   def step(self, rows, report):
     """Counts one training step of ``rows`` samples (None: unknown); logs when ``report``
