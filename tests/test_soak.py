@@ -41,7 +41,10 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
     if name == "pipe2x1/worker1":            # serves stage 1: no training loop of its own
       continue
     steps = [s["steps"] for s in samples[1:] if s["t"] < SECONDS]   # while training
-    assert all(b > a for a, b in zip(steps, steps[1:])), (name, steps)   # never stalled
+    steps = steps[max(0, next((i for i, n in enumerate(steps) if n), len(steps)) - 1):]
+    # (from the last sample before its first step: the first step compiles the graph, which
+    # took over 4 s on a loaded machine)
+    assert len(steps) >= 3 and all(b > a for a, b in zip(steps, steps[1:])), (name, steps)
     last = samples[-1]
     assert last["steps"] >= 1000 and last["evals"] >= 1, (name, last)
     assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
