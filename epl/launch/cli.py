@@ -170,20 +170,20 @@ class Job:
                         self._stalls, time.time() if now is None else now)
     for report in found.reports:
       self._say(report)
-    if found.left is not None:
-      self.reason = found.reason
-      return [(found.left, 0)]
-    return []
+    return self._blame(found)
 
-  def _left_first(self):
-    """[(index, 0)] of a worker that had left its script while the failed one waited in a
-    step for it (the waiting worker may notice first: its peer's ended flag), or []."""
-    found = steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()}, set(),
-                        time.time(), left_wait=0.0)
+  def _blame(self, found):
+    """[(index, 0)] of the worker ``found`` says left its script (its reason kept), or []."""
     if found.left is None:
       return []
     self.reason = found.reason
     return [(found.left, 0)]
+
+  def _left_first(self):
+    """[(index, 0)] of a worker that had left its script while the failed one waited in a
+    step for it (the waiting worker may notice first: its peer's ended flag), or []."""
+    return self._blame(steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()},
+                                   set(), time.time(), left_wait=0.0))
 
   def step_of(self, index):
     """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""
@@ -200,24 +200,6 @@ class Job:
         return f.read()
     except OSError:
       return "(no log)"
-
-  def _left_first(self):
-    """[(index, 0)] of a worker that had left its script while the failed one waited in a
-    step for it (the waiting worker may notice first: its peer's ended flag), or []."""
-    found = steps.check(self.status_files, {i: p.pid for i, p in self.procs.items()}, set(),
-                        time.time(), left_wait=0.0)
-    if found.left is None:
-      return []
-    self.reason = found.reason
-    return [(found.left, 0)]
-
-  def step_of(self, index):
-    """" at step N" (the steps worker ``index`` ran, as it last told), or ""."""
-    path = self.status_files.get(index)
-    left = status.last(path, status.ENDED) if path else None
-    beat = status.read_beat(path) if path else None
-    steps = left.get("steps") if left else beat.get("steps") if beat else None
-    return " at step %d" % steps if steps is not None else ""
 
   def summary(self):
     """What the console shows of the failure: the first failed worker's traceback."""
