@@ -49,7 +49,10 @@ def _session_option(pg, graph, logs):
 # key -> (the value set, the keys it needs with their values, what shows that it acted)
 # A check of None: the key acts on the job, not on this graph -- the named test shows it.
 ALONE = {
-    "pipeline.num_micro_batch": (2, {}, lambda pg, g, l: pg.results["micro_batch"].clones),
+    "pipeline.num_micro_batch": (2, {}, lambda pg, g, l: pg.plan.accumulate_runs == 2 and
+                                 pg.sync_report.accumulators),
+    "graph.micro_batches": ("clones", {"pipeline.num_micro_batch": 2},
+                            lambda pg, g, l: pg.results["micro_batch"].clones),
     "pipeline.num_stages": (1, {"auto.auto_parallel": True},
                             lambda pg, g, l: pg.plan.taskgraphs[0].name == "stage_0"),
     "pipeline.strategy": ("PreferForward", {}, None),

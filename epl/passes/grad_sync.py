@@ -48,6 +48,8 @@ class SyncReport:
   # zero.level v1 across workers: (TaskGraph, dtype) -> the op of this worker's reduced chunk
   exchanged: Dict[Tuple[int, str], tf.Operation] = dataclasses.field(default_factory=dict)
   streamed: List[str] = dataclasses.field(default_factory=list)   # each also its own bucket
+  # graph.micro_batches "runs": each gradient's sum over a step's runs (accumulate.Accumulator)
+  accumulators: List = dataclasses.field(default_factory=list)
 
   def variables(self):
     return [v for b in self.buckets for v in b] + list(self.gathered)
@@ -65,7 +67,7 @@ def gradient_sync(ctx):
   """Runs the pass; see the module docstring."""
   graph, plan = ctx.graph, ctx.plan
   report = SyncReport([], [], [])
-  if plan.total_copies == 1 and plan.num_micro_batch == 1:
+  if plan.total_copies == 1 and plan.micro_batches == 1:
     return report
   replication, clones = ctx.result("replicate"), ctx.clones()
   update = {op for op, phase in ctx.phase.items() if phase == "apply"}
@@ -91,7 +93,7 @@ def gradient_sync(ctx):
             "optimizer's var_list." % var_op.outputs[0].name)
       tg = ctx.owner[var_op]
       grad = _get(graph, g.tensors)
-      item = accumulate(ctx, clones, weights, var_op, tg, grad, update)
+      item = accumulate(ctx, clones, weights, var_op, tg, grad, update, report.accumulators)
       if after_allreduce or not g.applied or g.applied == g.tensors:
         raw_items.append(item)
         continue

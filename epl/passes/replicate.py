@@ -61,16 +61,16 @@ def replicate(ctx):
   graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
   analysis = ctx.result("analyze")
   n, k = worker.num_copies, plan.shards
-  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.num_micro_batch > 1 \
+  if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.micro_batches > 1 \
       or analysis.split_ops:
     # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
     # accelerator, and explicit placement would only add host <-> device edges.
     place_copy0 = device_function(ctx, 0)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))
-  pieces = n * plan.num_micro_batch
+  pieces = n * plan.num_micro_batch                 # per run (accumulate_runs: one per run)
   weights = None
-  if analysis.batch_placeholders and pieces > 1:
+  if analysis.batch_placeholders and pieces * plan.accumulate_runs > 1:
     with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
         tf.device(worker.host):
       weights = tf.placeholder_with_default(tf.ones([pieces]), [pieces], name="epl_row_weights")

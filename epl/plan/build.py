@@ -113,13 +113,45 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                                       recorder.exchange_axes)
   colocate = config.cluster.colocate_split_and_replicate
   copies = _layout(placements, colocate, cluster)
+  gradients = _gradients(recorder)
+  runs = _accumulate_runs(config, placements, micro)
+  if runs > 1:
+    common.update(num_micro_batch=1, accumulate_runs=runs)
+    micro = 1
   schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
   return ParallelPlan(
       tgs, copies, _shards(placements),
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
-      gradients=_gradients(recorder), shared_variables=tuple(sorted(
+      gradients=gradients, shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
       parts=parts, crossings=crossings, **common)
+
+
+def _accumulate_runs(config, placements, micro):
+  """How many session runs one step's micro-batches take (graph.micro_batches): M for
+  gradient accumulation as runs, else 1 (micro-batches cloned in the graph)."""
+  setting = config.graph.micro_batches
+  if micro == 1 or setting == "clones":
+    return 1
+  why = None
+  if len(placements) > 1:
+    why = "the model has %d stages (a pipeline interleaves its micro-batches in one run)" % (
+        len(placements))
+  elif placements and placements[0].kind != REPLICATE:
+    why = "its TaskGraph is split"
+  elif config.zero.level == "v2":
+    why = "zero.level v2 reduces every micro-batch's gradient to its owner"
+  elif setting == "auto" and (config.zero.level or config.offload.level):
+    # runs keep a gradient-sized sum per copy between runs, on the device: what ZeRO and
+    # offload save would come back (clones' sums live only inside the step)
+    why = "zero.level / offload.level"
+  if why is None:
+    return micro
+  if setting == "runs":
+    raise NotImplementedYetError(
+        "graph.micro_batches 'runs' does not apply here: %s; use 'auto' (micro-batches as runs "
+        "where they apply, clones otherwise) or 'clones'" % why)
+  return 1
 
 
 def _shards(placements):

@@ -145,6 +145,14 @@ class ParallelPlan:
   parts: Mapping[str, int] = dataclasses.field(default_factory=dict)  # split op -> its part
   crossings: Tuple[Crossing, ...] = ()
   memory: Memory = Memory()
+  # gradient accumulation as session runs (graph.micro_batches): each user step is this many
+  # runs of the graph's one copy per device, the update in the last; num_micro_batch is then 1
+  accumulate_runs: int = 1
+
+  @property
+  def micro_batches(self):
+    """Micro-batches per step as the user set them (in the graph, or as runs)."""
+    return self.num_micro_batch * self.accumulate_runs
 
   # ---- the job -------------------------------------------------------------------------
   @property
@@ -235,8 +243,9 @@ class ParallelPlan:
     replicas = len({c.replica for c in self.copies})
     lines = ["ParallelPlan: %d worker(s), %d model replica(s) x %d shard(s), %d micro-batch(es)"
              "%s, gradients %s" % (
-                 self.worker_num, replicas, self.shards, self.num_micro_batch,
-                 " (%s)" % self.pipeline_strategy if self.num_micro_batch > 1 else "",
+                 self.worker_num, replicas, self.shards, self.micro_batches,
+                 " (%s)" % self.pipeline_strategy if self.num_micro_batch > 1 else
+                 " (as session runs)" if self.accumulate_runs > 1 else "",
                  self.communication.reduce_method)]
     for t in self.taskgraphs:
       lines.append("  " + str(t))

@@ -62,7 +62,7 @@ def rewrite(state):
   pg = state.parallel
   if state.server is not None:
     serve.arrange_exit(state, plan)
-  merges = pg.results and (plan.total_copies > 1 or plan.num_micro_batch > 1)
+  merges = pg.results and (plan.total_copies > 1 or plan.micro_batches > 1)
   state.fetch_mapper = FetchMapper(state.graph, pg, state.collections) if merges else None
   state.feeds = FeedSplitter(pg) if merges else None
   log.debug("rewrite done in %.2f s:\n%s", time.time() - start, pg.format())

@@ -39,7 +39,7 @@ class FeedSplitter:
     self.parallel = parallel
     self.graph = parallel.graph
     self.clones = parallel.clones()
-    self.pieces = parallel.num_copies * parallel.plan.num_micro_batch
+    self.pieces = parallel.num_copies * parallel.plan.micro_batches   # per step
     analysis = parallel.analysis
     self._batch = {op.outputs[0] for op in analysis.batch_placeholders}
     self._cloned = analysis.cloned_set
@@ -59,7 +59,7 @@ class FeedSplitter:
   # ---- the mode ----------------------------------------------------------------------
   def mode(self, elements, feed_dict):
     """ALL when the run trains (or a fixed-size placeholder needs every copy), else COPY0."""
-    if any(self._reaches_update(e) for e in elements):
+    if any(self.trains(e) for e in elements):
       return ALL
     for tensor, value in self._fed(feed_dict):
       rows = _rows(value)
@@ -68,7 +68,8 @@ class FeedSplitter:
         return ALL
     return COPY0
 
-  def _reaches_update(self, element):
+  def trains(self, element):
+    """True when running ``element`` (an op or tensor) reaches an update of the model."""
     op = element if isinstance(element, tf.Operation) else getattr(element, "op", None)
     if op is None:
       return False
@@ -111,7 +112,21 @@ class FeedSplitter:
       return feed_dict
     if mode == COPY0:
       return self._with_partners(feed_dict)
-    out = dict(feed_dict)
+    return self._split(feed_dict, 1)[0]
+
+  def split_runs(self, feed_dict):
+    """The feed_dict of each run of a step of accumulation runs (epl.runtime.accumulation):
+    a batch is cut as with micro-batch clones (copy c takes the c-th block of rows, cut into
+    its micro-batches), and run m feeds each copy its m-th micro-batch."""
+    runs = self.parallel.plan.accumulate_runs
+    if not feed_dict:
+      return [feed_dict] * runs
+    return self._split(feed_dict, runs)
+
+  def _split(self, feed_dict, runs):
+    """One feed_dict per run: piece i of a batch (``pieces`` of them in order) goes to
+    target i // runs (a copy, or a copy's micro-batch clone) in run i % runs."""
+    outs = [dict(feed_dict) for _ in range(runs)]
     weights = None
     self.loose_split = []
     fed = [(t, v) for t, v in self._fed(feed_dict) if t.op in self._cloned]
@@ -122,18 +137,21 @@ class FeedSplitter:
         pieces, sizes = self._pieces(tensor, value)
         if _fixed(tensor) is None and rule.rows and _rows(value) < rule.rows:
           self.loose_split.append((tensor.op.name, _rows(value), sizes))
-        for target, piece in zip(targets, pieces):
+        for i, piece in enumerate(pieces):
+          target = targets[i // runs]
           if target is not None:
-            out[target] = piece
+            outs[i % runs][target] = piece
         if weights is None and len(set(sizes)) > 1:
           weights = np.asarray(sizes, np.float32) * (self.pieces / float(sum(sizes)))
       else:
-        for target in targets:
-          if target is not None:
-            out[target] = value
+        for out in outs:
+          for target in targets:
+            if target is not None:
+              out[target] = value
     if weights is not None and self._weights is not None:
-      out[self._weights] = weights
-    return out
+      for m, out in enumerate(outs):
+        out[self._weights] = weights[m::runs]
+    return outs
 
   def _with_partners(self, feed_dict):
     out = dict(feed_dict)
@@ -161,7 +179,7 @@ class FeedSplitter:
     fixed = tensor.shape.dims[0].value if tensor.shape.rank else None
     name = tensor.op.name
     where = "this worker's %d model copies x %d micro-batch(es)" % (
-        self.parallel.num_copies, self.parallel.plan.num_micro_batch)
+        self.parallel.num_copies, self.parallel.plan.micro_batches)
     if fixed is not None:
       if rows != fixed * self.pieces:
         raise PlanError(

@@ -46,6 +46,7 @@ class FetchMapper:
         op for op in analysis.cloned if op.type in RANDOM_OPS)      # synthetic batches
     self._batch_inputs = [t for op in inputs for t in op.outputs if t.shape.rank]
     self._weights = parallel.replication.row_weights
+    self._runs = parallel.plan.accumulate_runs > 1
 
   def elements(self, fetches):
     """The graph elements (ops and tensors) of a fetch structure."""
@@ -71,6 +72,28 @@ class FetchMapper:
         writes[0] = True
       return hit[0]
     return self._walk(fetches, element), writes[0]
+
+  def walk(self, fetches, fn):
+    """``fetches`` with every leaf (a graph element or its name) replaced by ``fn(leaf)``, in
+    the order ``elements`` lists them."""
+    return self._walk(fetches, fn)
+
+  def element_of(self, fetch):
+    """The graph element a fetch leaf names (None for what is not one)."""
+    return self._graph_element(fetch)
+
+  def kind(self, element):
+    """How a fetched tensor merges over copies and runs: "mean", "sum", "concat" or None
+    (one value: copy 0's, the last run's)."""
+    if not isinstance(element, tf.Tensor):
+      return None
+    kind = self._kind_of.get(element, (None, False))[0]
+    if kind is None and element.op in self._cloned:
+      if element.shape.rank == 0 and element.dtype.is_floating:
+        kind = "mean"
+      elif self._batch_major(element):
+        kind = "concat"
+    return kind
 
   def _walk(self, fetches, fn):
     if isinstance(fetches, (list, tuple)):
@@ -109,22 +132,17 @@ class FetchMapper:
 
   # ---- merging -----------------------------------------------------------------------
   def _merged(self, t, fetch):
-    kind, job_wide = self._kind_of.get(t, (None, False))
+    kind, job_wide = self.kind(t), self._kind_of.get(t, (None, False))[1]
     if kind is None:
-      if t.op not in self._cloned:
-        return fetch
-      if t.shape.rank == 0 and t.dtype.is_floating:
-        kind = "mean"
-      elif self._batch_major(t):
-        kind = "concat"
-      else:
-        return fetch
+      return fetch
     pieces = self._clones.every(t)
     weights = self._weights
     split_tg = self._split_taskgraph(t)
     if split_tg is not None:          # runs once per replica, in the replica's first copy
       pieces, weights = self._per_replica(split_tg, t)
-    if all(p is None for p in pieces[1:]):         # one piece on this worker
+    if all(p is None for p in pieces[1:]) and not (
+        self._runs and kind == "mean" and weights is not None):   # one piece on this worker
+      # (a run of accumulation runs weights it by its rows, as a micro-batch clone is)
       if not (job_wide and self.parallel.plan.worker_num > 1):
         return fetch
       pieces, weights = pieces[:1], None             # GLOBAL_*: still merged job-wide
@@ -138,6 +156,8 @@ class FetchMapper:
 
   def _merge(self, kind, job_wide, pieces, weights):
     plan, host = self.parallel.plan, self.parallel.worker.host
+    if kind == "concat" and self._runs and not (job_wide and plan.worker_num > 1):
+      return tuple(pieces)        # each copy's rows: put in order over the runs (accumulation)
     if kind == "concat":
       merged = tf.concat(pieces, axis=0)
       if job_wide and plan.worker_num > 1:

@@ -18,6 +18,7 @@ from epl.io_slicing import assign_files
 from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
 from epl.runtime import checkpoints, driver, faults, serve
+from epl.runtime.accumulation import AccumulationRuns
 from epl.runtime.feeds import ALL
 from epl.runtime.progress import Progress
 from epl.runtime.session_config import session_config
@@ -39,6 +40,7 @@ class Dispatcher:
     self._ended = None            # serve.EndedPeers: what peers on other hosts left at exit
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
+    self._accumulation = None     # AccumulationRuns (graph.micro_batches "runs")
     self._status = None           # a step detector until the first training step ran, when
                                   # epl-launch wants to hear of it (launch.status_file)
 
@@ -189,12 +191,12 @@ class Dispatcher:
         result = self._step(session, original, fetches, feed_dict, options, run_metadata)
       else:
         result, rows = self._step(session, original, (fetches, extra), feed_dict, options,
-                                  run_metadata)
+                                  run_metadata, sums=(extra,))
       progress.step(rows, report)
       return result
     return self._step(session, original, fetches, feed_dict, options, run_metadata)
 
-  def _step(self, session, original, fetches, feed_dict, options, run_metadata):
+  def _step(self, session, original, fetches, feed_dict, options, run_metadata, sums=()):
     if self._plain:                       # one copy, one worker: the local script's step
       return original(session, fetches, feed_dict, options, run_metadata)
     state = self.state
@@ -205,7 +207,7 @@ class Dispatcher:
     if plan.total_copies > 1 or plan.worker_num > 1:
       options = step_deadline(options, plan.communication.timeout)
     if plan.worker_num == 1:
-      return self._run(pg, session, original, fetches, feed_dict, options, run_metadata)
+      return self._run(pg, session, original, fetches, feed_dict, options, run_metadata, sums)
     if self._peers is None:
       self._ended = serve.EndedPeers(state)
       self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout,
@@ -220,7 +222,7 @@ class Dispatcher:
       with self._peers:
         return faults.with_reruns(lambda: original(*args, **kwargs), RERUNS, self._on_rerun)
     try:
-      return self._run(pg, session, one_run, fetches, feed_dict, options, run_metadata)
+      return self._run(pg, session, one_run, fetches, feed_dict, options, run_metadata, sums)
     except (faults.LOST + (tf.errors.InternalError, tf.errors.FailedPreconditionError,
                            tf.errors.NotFoundError)) as e:
       if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
@@ -240,15 +242,20 @@ class Dispatcher:
                 "again (%d time(s) for this step, %d in this job)", faults.essence(error), count,
                 self.retried_steps)
 
-  def _run(self, pg, session, original, fetches, feed_dict, options, run_metadata):
+  def _run(self, pg, session, original, fetches, feed_dict, options, run_metadata, sums=()):
     mapper, feeds = self.state.fetch_mapper, self.state.feeds
     if mapper is None:
       return original(session, fetches, feed_dict, options, run_metadata)
     mode = feeds.mode(mapper.elements(fetches), feed_dict)
-    mapped, writes = mapper.map(fetches, all_copies=mode == ALL)
-    split = feeds.split(feed_dict, mode)
     try:
-      result = original(session, mapped, split, options, run_metadata)
+      if mode == ALL and pg.plan.accumulate_runs > 1:
+        if self._accumulation is None:
+          self._accumulation = AccumulationRuns(pg, mapper, feeds)
+        result, writes = self._accumulation.step(session, original, fetches, feed_dict,
+                                                 options, run_metadata, sums)
+      else:
+        mapped, writes = mapper.map(fetches, all_copies=mode == ALL)
+        result = original(session, mapped, feeds.split(feed_dict, mode), options, run_metadata)
     except (tf.errors.InvalidArgumentError, tf.errors.OutOfRangeError) as e:
       raise feeds.explain(e) from e
     sync = pg.replication.sync_op

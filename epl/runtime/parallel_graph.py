@@ -117,7 +117,9 @@ class ParallelGraph:
                  plan.worker_num, per_worker, kind, plan.total_copies,
                  len({c.replica for c in plan.copies}), plan.shards,
                  "%d micro-batches, %s" % (plan.num_micro_batch, plan.pipeline_strategy)
-                 if plan.num_micro_batch > 1 else "1 micro-batch")]
+                 if plan.num_micro_batch > 1 else
+                 "%d micro-batches, one session run each" % plan.accumulate_runs
+                 if plan.accumulate_runs > 1 else "1 micro-batch")]
     def place(d):
       return "%s%s" % ("w%d:" % worker_of(d) if plan.worker_num > 1 else "",
                        d.rsplit("/device:", 1)[-1])

@@ -133,7 +133,7 @@ class Progress:
   def fed_rows(self, feed_dict):
     """Rows fed to batch placeholders in this run (None when none are fed)."""
     fed = list(feeds.fed_tensors(self._parallel.graph, feed_dict))
-    pieces = self._parallel.num_copies * self._parallel.plan.num_micro_batch
+    pieces = self._parallel.num_copies * self._parallel.plan.micro_batches
     rule = feeds.BatchRule(self._batch, pieces, fed, warned=None)
     rows = [np.shape(v)[0] for k, v in fed if rule.is_batch(k, v)]
     return max(rows) if rows else None

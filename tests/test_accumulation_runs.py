@@ -1,0 +1,170 @@
+"""Gradient accumulation as session runs (graph.micro_batches): one model copy per device in
+the graph, each step R runs, the update in the last -- the same model as the local script and
+as micro-batch clones, a graph that does not grow with R, two fetch signatures per step."""
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from epl.errors import NotImplementedYetError
+from tests import models
+from epl.testing.values import load_values, read_values
+
+STEPS = 4
+
+
+def _model(x, y, bn):
+  h = tf.layers.dense(x, 16, activation=tf.nn.relu, name="d0")
+  if bn:                   # statistics of each micro-batch: not the local model's, the clones'
+    h = tf.layers.batch_normalization(h, training=True, name="bn")
+  logits = tf.layers.dense(h, 4, name="d1")
+  return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits), logits
+
+
+def _train(rows, config=None, initial=None, bad_step=None, spy=None, bn=False):
+  """Trains the model STEPS steps on ``rows`` rows each (fed to [None] placeholders); returns
+  start values, end values, per-step (loss, logits), the ops in the graph."""
+  data = models.regression_data(rows * STEPS, np.random.RandomState(3))
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(1)
+    if config is not None:
+      epl.init(epl.Config(config))
+      epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.float32, [None, 8])
+    y = tf.placeholder(tf.int64, [None])
+    checked = tf.debugging.assert_non_negative(y)    # a bad batch fails inside the step
+    with tf.control_dependencies([checked]):
+      loss, logits = _model(tf.identity(x), y, bn)
+    with tf.control_dependencies(tf.get_collection(tf.GraphKeys.UPDATE_OPS)):
+      train = tf.train.AdamOptimizer(0.01).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      variables = tf.global_variables()
+      if initial:
+        load_values(sess, variables, lambda v: initial[v.op.name])
+      start = read_values(sess, variables)
+      if spy is not None:
+        spy(sess)
+      out = []
+      for s in range(STEPS):
+        feed = {x: data[0][s * rows:(s + 1) * rows], y: data[1][s * rows:(s + 1) * rows]}
+        if s == bad_step:
+          feed[y] = np.where(np.arange(rows) == rows - 1, -1, feed[y])   # in the last run
+          with pytest.raises(tf.errors.InvalidArgumentError):
+            sess.run([train, loss], feed)
+          continue
+        _, l, p = sess.run([train, loss, logits], feed)
+        out.append((l, p))
+      return start, read_values(sess, variables), out, len(g.get_operations())
+
+
+def _config(devices, micro, how):
+  return {"cluster.devices_per_worker": devices, "pipeline.num_micro_batch": micro,
+          "graph.micro_batches": how}
+
+
+@pytest.mark.parametrize("devices, rows, bn", [(1, 8, False), (2, 16, False), (2, 13, False),
+                                              (2, 16, True)])
+def test_runs_train_the_local_model_and_fetch_what_clones_fetch(devices, rows, bn):
+  # 13 rows over 2 copies x 4 micro-batches: pieces of 2 and 1 rows, weighted by their rows;
+  # with batch norm (training mode) both train on each micro-batch's statistics
+  start, local, local_out, _ = _train(rows, bn=bn)
+  results = {how: _train(rows, _config(devices, 4, how), start, bn=bn)
+             for how in ("runs", "clones")}
+  (_, runs, runs_out, _), (_, clones, clones_out, _) = results["runs"], results["clones"]
+  for name, value in local.items():
+    np.testing.assert_allclose(runs[name], clones[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    if not bn:
+      np.testing.assert_allclose(runs[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  for (l, p), (cl, cp), (ll, lp) in zip(runs_out, clones_out, local_out):
+    np.testing.assert_allclose(l, cl, rtol=1e-5)                  # the mean over pieces
+    np.testing.assert_allclose(p, cp, rtol=1e-5, atol=1e-6)       # every row, in order
+    assert p.shape == (rows, 4)
+    if not bn:
+      np.testing.assert_allclose(l, ll, rtol=1e-5)
+      np.testing.assert_allclose(p, lp, rtol=1e-5, atol=1e-6)
+
+
+def test_the_graph_does_not_grow_with_the_micro_batches():
+  ops = {how: _train(16, _config(2, 4, how))[3] for how in ("runs", "clones")}
+  one = _train(16, _config(2, 1, "auto"))[3]
+  assert ops["runs"] < one * 1.3 < ops["clones"] / 2, (ops, one)
+
+
+def test_a_step_is_two_fetch_signatures():
+  signatures = []
+
+  def spy(sess):
+    tf_run = sess._do_run
+
+    def run(handle, targets, fetches, *args):
+      signatures.append((tuple(sorted(str(t) for t in targets)),
+                         tuple(sorted(str(f) for f in fetches))))
+      return tf_run(handle, targets, fetches, *args)
+    sess._do_run = run
+  _train(16, _config(2, 4, "runs"), spy=spy)
+  # STEPS x (3 accumulate runs + 1 update run); then the test's reads
+  steps = signatures[:4 * STEPS]
+  assert len(set(steps)) == 2, set(steps)
+  assert steps[3::4] == [steps[3]] * STEPS and "epl_accumulate" in str(steps[0])
+
+
+def test_a_step_that_fails_between_its_runs_leaves_no_partial_sum():
+  # the failing step's last run is rejected after its earlier runs added to the sums: the
+  # next step must start from zero sums (the local step failed whole: nothing updated)
+  start, local, _, _ = _train(16, bad_step=1)
+  _, end, _, _ = _train(16, _config(2, 4, "runs"), start, bad_step=1)
+  for name, value in local.items():
+    np.testing.assert_allclose(end[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_runs_refused_where_they_do_not_apply():
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2,
+                         "graph.micro_batches": "runs"}))
+    x = tf.placeholder(tf.float32, [None, 8])
+    y = tf.placeholder(tf.int64, [None])
+    loss = models.mlp_two_stages(x, y, lambda i: epl.replicate(1, name="stage_%d" % i))
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with pytest.raises(NotImplementedYetError, match="graph.micro_batches 'runs'.*2 stages"):
+      with tf.Session() as sess:
+        sess.run(train, {x: np.zeros([4, 8]), y: np.zeros([4])})
+
+
+def _embedding_step(config, initial, optimizer):
+  rng = np.random.RandomState(5)
+  ids, labels = rng.randint(0, 30, [4, 16, 3]), rng.randint(0, 4, [4, 16])
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(2)
+    if config:
+      epl.init(epl.Config(config))
+      epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.int64, [None, 3])
+    y = tf.placeholder(tf.int64, [None])
+    table = tf.get_variable("table", [40, 8])        # rows 30..39 never touched
+    h = tf.reduce_mean(tf.nn.embedding_lookup(table, x), axis=1)
+    loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 4, name="out"))
+    opt = {"momentum": tf.train.MomentumOptimizer(0.5, 0.9),
+           "adam": tf.train.AdamOptimizer(0.05)}[optimizer]
+    train = opt.minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      if initial:
+        load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
+      start = read_values(sess, tf.global_variables())
+      losses = [sess.run([train, loss], {x: ids[s], y: labels[s]})[1] for s in range(4)]
+      return start, read_values(sess, tf.global_variables()), losses
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_sparse_gradients_stay_sparse_over_the_runs(optimizer):
+  # Momentum's sparse update moves only the rows the step's batch touched: the sum over the
+  # runs must be the union of their rows, not a dense gradient
+  start, local, local_losses = _embedding_step(None, None, optimizer)
+  _, end, losses = _embedding_step(_config(2, 4, "runs"), start, optimizer)
+  np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
+  for name, value in local.items():
+    np.testing.assert_allclose(end[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
