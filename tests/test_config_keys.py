@@ -50,7 +50,7 @@ def _session_option(pg, graph, logs):
 # A check of None: the key acts on the job, not on this graph -- the named test shows it.
 ALONE = {
     "pipeline.num_micro_batch": (2, {}, lambda pg, g, l: pg.plan.accumulate_runs == 2 and
-                                 pg.sync_report.accumulators),
+                                 pg.sync_report.sums.accumulators),
     "graph.micro_batches": ("clones", {"pipeline.num_micro_batch": 2},
                             lambda pg, g, l: pg.results["micro_batch"].clones),
     "pipeline.num_stages": (1, {"auto.auto_parallel": True},

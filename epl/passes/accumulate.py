@@ -50,11 +50,11 @@ def readers_of(grad, update):
   return {t: [c for c in t.consumers() if c in update] for t in parts_of(grad)}
 
 
-def accumulate(ctx, clones, weights, var_op, tg, grad, update, accumulators=None):
+def accumulate(ctx, clones, weights, var_op, tg, grad, update, sums=None):
   """Each copy's gradient accumulated over its micro-batches (weighted by fed rows); with
-  ``plan.accumulate_runs``, over the step's runs (appended to ``accumulators``)."""
-  if ctx.plan.accumulate_runs > 1:
-    return _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, accumulators)
+  ``plan.accumulate_runs``, over the step's runs (``sums``: run_sums.RunSums)."""
+  if sums is not None:
+    return _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums)
   worker, count = ctx.worker, ctx.plan.num_micro_batch
   mean = ctx.plan.communication.reduce_method == "mean"
   part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
@@ -76,23 +76,10 @@ def accumulate(ctx, clones, weights, var_op, tg, grad, update, accumulators=None
   return item
 
 
-@dataclasses.dataclass(frozen=True)
-class Accumulator:
-  """One gradient's sums over a step's runs (graph.micro_batches "runs"), one variable per
-  copy, zero between steps: every run but the last runs ``adds`` (sum += this run's
-  weighted gradient); the last one's update reads sum + its own, and ``resets`` zero the sum
-  after that read. ``inits`` zero it in a new session."""
-  variable: str
-  readers: tuple                      # names of the user's update ops reading the gradient
-  adds: tuple                         # ops, one per copy
-  resets: tuple
-  inits: tuple
-
-
-def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, accumulators):
-  """Gradient accumulation over session runs: see ``Accumulator``."""
-  worker, runs = ctx.worker, ctx.plan.accumulate_runs
-  mean = ctx.plan.communication.reduce_method == "mean"
+def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
+  """Gradient accumulation over session runs (run_sums.RunSums): each copy's update reads
+  its sum over the step's runs."""
+  worker, mean = ctx.worker, ctx.plan.communication.reduce_method == "mean"
   copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
   shape = var_op.outputs[0].shape
   per_copy, first, adds, resets, inits = [], [], [], [], []
@@ -104,56 +91,25 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, accumulator
       if weights is not None:
         g = _scaled(g, weights, c)
       if mean:
-        g = _divided(g, runs)
-      sums = [_sum_variable(shape, _dtype(g), "%s_%d" % (name, c))]
-      if isinstance(g, tf.IndexedSlices):
-        sums.append(_sum_variable(shape[:1], tf.float32, "%s_%d_rows" % (name, c)))
-        ones = tf.ones_like(g.indices, tf.float32)
-        adds.extend([sums[0].scatter_add(g).op,
-                     sums[1].scatter_add(tf.IndexedSlices(ones, g.indices)).op])
-        summed = _rows_touched(sums, g, ones, shape)
-      else:
-        adds.append(sums[0].assign_add(g, read_value=False))
-        summed = sums[0].read_value() + g
-      with tf.control_dependencies([t.op for t in parts_of(summed)]):
-        resets.extend(v.assign(tf.zeros_like(v), read_value=False) for v in sums)
-      inits.extend(v.initializer for v in sums)
-      per_copy.append(summed)
+        g = _divided(g, sums.runs)
+    summed, add, reset, init = sums.summed(worker.device_of(c, tg), g, shape,
+                                           "%s_%d" % (name, c))
+    per_copy.append(summed)
+    adds += add
+    resets += reset
+    inits += init
   item = Item(var_op.name, tg, grad, per_copy, readers_of(grad, update), first, copies)
   rewire_all(clones, item, per_copy)
   item.first = list(per_copy)
-  accumulators.append(Accumulator(var_op.name, tuple(sorted(
-      {r.name for rs in item.readers.values() for r in rs})), tuple(adds), tuple(resets),
-      tuple(inits)))
+  sums.record(var_op.name, {r.name for rs in item.readers.values() for r in rs}, adds, resets,
+              inits)
   return item
-
-
-def _dtype(g):
-  return (g.values if isinstance(g, tf.IndexedSlices) else g).dtype.base_dtype
 
 
 def _divided(g, count):
   if isinstance(g, tf.IndexedSlices):
     return tf.IndexedSlices(g.values / tf.cast(count, g.values.dtype), g.indices, g.dense_shape)
   return g / tf.cast(count, g.dtype)
-
-
-def _sum_variable(shape, dtype, name):
-  """A sum kept between runs: in no collection (not saved, not initialised by the user's
-  init op; the runtime zeroes it)."""
-  return tf.Variable(tf.zeros(shape, dtype), trainable=False, collections=[], use_resource=True,
-                     name="epl_accumulate/" + name)
-
-
-def _rows_touched(sums, g, ones, shape):
-  """A sparse gradient summed over runs, as sparse as the local one: the rows some run
-  touched (``sums[1]`` counts them), their summed values (``sums[0]`` is dense) -- what the
-  optimizer's sparse update sums from the local gradient's duplicate rows."""
-  count = sums[1].read_value() + tf.scatter_nd(tf.expand_dims(g.indices, 1), ones, shape[:1])
-  rows = tf.reshape(tf.where(count > 0), [-1])
-  dense = sums[0].read_value() + tf.scatter_nd(tf.expand_dims(g.indices, 1), g.values, shape)
-  return tf.IndexedSlices(loose_rows(tf.gather(dense, rows)),
-                          loose_rows(tf.cast(rows, g.indices.dtype)), g.dense_shape)
 
 
 class Weights:

@@ -36,6 +36,7 @@ from epl.passes.accumulate import (Item, Weights, accumulate, copy_tensor, loose
                                    readers_of, rewire_all)
 from epl.passes.clone import rewire
 from epl.passes.grad_stream import stream, streamable
+from epl.passes.run_sums import RunSums
 from epl.passes.slots import train_groups
 from epl.passes.zero import assign_owners
 
@@ -48,8 +49,8 @@ class SyncReport:
   # zero.level v1 across workers: (TaskGraph, dtype) -> the op of this worker's reduced chunk
   exchanged: Dict[Tuple[int, str], tf.Operation] = dataclasses.field(default_factory=dict)
   streamed: List[str] = dataclasses.field(default_factory=list)   # each also its own bucket
-  # graph.micro_batches "runs": each gradient's sum over a step's runs (accumulate.Accumulator)
-  accumulators: List = dataclasses.field(default_factory=list)
+  # graph.micro_batches "runs": the sums over a step's runs (run_sums.RunSums), or None
+  sums: object = None
 
   def variables(self):
     return [v for b in self.buckets for v in b] + list(self.gathered)
@@ -84,6 +85,8 @@ def gradient_sync(ctx):
       tf.name_scope("epl_grad_sync"):
     weights = Weights(replication.row_weights) if replication.row_weights is not None \
         else None
+    sums = RunSums(graph, ctx.worker.host, plan.accumulate_runs) \
+        if plan.accumulate_runs > 1 else None
     for g in plan.gradients:
       var_op = graph.get_operation_by_name(g.variable)
       if var_op.name not in replication.mirrored:
@@ -93,7 +96,7 @@ def gradient_sync(ctx):
             "optimizer's var_list." % var_op.outputs[0].name)
       tg = ctx.owner[var_op]
       grad = _get(graph, g.tensors)
-      item = accumulate(ctx, clones, weights, var_op, tg, grad, update, report.accumulators)
+      item = accumulate(ctx, clones, weights, var_op, tg, grad, update, sums)
       if after_allreduce or not g.applied or g.applied == g.tensors:
         raw_items.append(item)
         continue
@@ -105,7 +108,9 @@ def gradient_sync(ctx):
                                       for c in item.copies], item.copies, item.part))
     if plan.total_copies > 1:
       _reduce(ctx, raw_items + applied_items, report)
-  return report
+    if sums is not None:
+      sums.gate_updates(ctx, clones)
+  return dataclasses.replace(report, sums=sums) if sums is not None else report
 
 
 def _reduce(ctx, items, report):

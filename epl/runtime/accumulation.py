@@ -1,30 +1,27 @@
 """A training step of gradient accumulation as session runs (``graph.micro_batches``).
 
 With ``plan.accumulate_runs`` R > 1 the graph holds one model copy per device and each copy's
-gradient sum over the step (``passes.accumulate.Accumulator``). One user ``session.run`` that
-spreads over every copy becomes R runs, run m on each copy's m-th micro-batch of the fed
-batch (``FeedSplitter.split_runs``: copy c's rows are the c-th block, as with clones; an
-iterator is read once per copy and run, as each micro-batch clone reads it):
-
-* runs 0..R-2 fetch the user's fetches that neither reach the update nor read the summed
-  gradients (a loss, predictions; not a clipping norm) and
-  the sums' ``adds`` of the train ops fetched, with what those train ops wait for before the
-  update by a control edge (batch-norm statistics: every micro-batch updates them, per copy);
-* run R-1 fetches everything the user asked for: its update reads sum + its own gradient, and
-  the sums are zeroed after that read (``resets``).
+gradient sums over the step (``passes.run_sums``). One user ``session.run`` that spreads over
+every copy becomes R runs, run m on each copy's m-th micro-batch of the fed batch
+(``FeedSplitter.split_runs``: copy c's rows are the c-th block, as with clones; an iterator is
+read once per copy and run, as each micro-batch clone reads it). A step that trains fetches
+the same in every run -- the user's fetches and the sums' adds and resets of the train ops
+fetched -- and feeds ``last``: False in runs 0..R-2, where the update is dead (the forward and
+backward run in full, batch-norm statistics included), True in the last, where the update
+reads the sums and zeroes them. So TF compiles one signature of one copy per device,
+whatever R. What reads the summed gradients as a tensor (a clipping norm) is fetched by the
+last run only (a second signature).
 
 Fetched values are combined over the runs as they are over copies (docs/user_guide.md, "What
 a fetch returns"): a mean is the mean of the runs' (row-weighted) means, a sum their sum, a
-batch-major value their rows in batch order; anything else, and what reaches the update, is
-the last run's. So a step is two fetch signatures for TF to compile, each a graph of one copy
-per device, whatever R. The sums are zeroed once per session before its first step, and again
-after a step that failed between its runs.
+batch-major value their rows in batch order (a ``GLOBAL_CONCAT`` value across workers: run
+by run); anything else, and what reaches the update, is the last run's. The sums are zeroed
+once per session before its first step, and again after a step that failed between its runs.
 """
 import weakref
 
 import numpy as np
 import tensorflow.compat.v1 as tf
-
 
 
 class AccumulationRuns:
@@ -33,12 +30,12 @@ class AccumulationRuns:
   def __init__(self, pg, mapper, feeds):
     self.runs = pg.plan.accumulate_runs
     self._pg, self._mapper, self._feeds = pg, mapper, feeds
-    report = pg.sync_report
-    self._accumulators = list(report.accumulators) if report is not None else []
+    sums = pg.sync_report.sums if pg.sync_report is not None else None
+    self._accumulators = list(sums.accumulators) if sums is not None else []
+    self._last = sums.last if sums is not None else None
     self._inits = [op for a in self._accumulators for op in a.inits]
     self._zeroed = weakref.WeakSet()       # sessions whose sums are zero between steps
-    self._targets = {}                     # leaf elements -> (adds + early writes, resets)
-    self._clones = pg.clones()
+    self._targets = {}                     # leaf elements -> the sums' adds and resets
 
   def step(self, session, original, fetches, feed_dict, options, run_metadata, sums=()):
     """One user step over R runs; returns what ``original`` would for ``fetches``.
@@ -50,20 +47,25 @@ class AccumulationRuns:
     late = [self._late(e) for e in elements]
     kinds = [None if late[i] else "sum" if any(e is s for s in sums) else
              self._mapper.kind(e) for i, e in enumerate(elements)]
-    early = [i for i in range(len(leaves)) if not late[i]]
-    adds, resets = self._targets_of(elements)
+    targets = self._targets_of(elements)
+    # with sums to add, every run fetches the same (the update is dead before the last run):
+    # one signature; what reaches the update only as a tensor is fetched by the last run
+    every = [i for i in range(len(leaves)) if not late[i] or (
+        targets and isinstance(elements[i], tf.Operation))]
     feeds = self._feeds.split_runs(feed_dict)
     values = [[] for _ in leaves]
     try:
       if session not in self._zeroed and self._inits:
         original(session, self._inits, None, options, None)
       self._zeroed.discard(session)
-      for m in range(self.runs - 1 if early or adds else 0):   # (an init op: one run)
-        got = original(session, ([mapped[i] for i in early], adds), feeds[m], options,
-                       run_metadata)[0]
-        for i, value in zip(early, got):
-          values[i].append(value)
-      last = original(session, (mapped, resets), feeds[-1], options, run_metadata)[0]
+      for m in range(self.runs - 1 if targets or every else 0):   # (an init op: one run)
+        got = original(session, ([mapped[i] for i in every], targets), self._fed(feeds[m], False),
+                       options, run_metadata)[0]
+        for i, value in zip(every, got):
+          if not late[i]:
+            values[i].append(value)
+      last = original(session, (mapped, targets), self._fed(feeds[-1], True), options,
+                      run_metadata)[0]
       self._zeroed.add(session)
     except Exception:                    # the sums hold part of a step: zeroed before the next
       self._zeroed.discard(session)
@@ -72,17 +74,6 @@ class AccumulationRuns:
       values[i].append(value)
     combined = iter([_combine(k, v) for k, v in zip(kinds, values)])
     return self._mapper.walk(fetches, lambda f: next(combined)), writes
-
-  def _waited_for(self, reached):
-    """The forward / backward ops that the update (or a train op's group) waits for by a
-    control edge: ``tf.control_dependencies(UPDATE_OPS)`` -- batch-norm statistics, which
-    every micro-batch updates -- sorted by name."""
-    index, graph = self._pg.plan.op_index, self._pg.graph
-    step = ("forward", "backward")
-    found = {ci for op in reached if index.get(op.name, (None, None))[1] not in step
-             for ci in op.control_inputs
-             if index.get(ci.name, (None, None))[1] in step and graph.is_fetchable(ci)}
-    return sorted(found, key=lambda o: o.name)
 
   def _late(self, element):
     """True for what only the last run may run: what reaches the update or reads the summed
@@ -95,10 +86,15 @@ class AccumulationRuns:
     return self._pg.plan.op_index.get(op.name, (None, None))[1] == "apply" or \
         self._feeds.trains(element)
 
+  def _fed(self, feed, last):
+    feed = dict(feed) if feed else {}
+    if self._last is not None:
+      feed[self._last] = last
+    return feed
+
   def _targets_of(self, elements):
-    """(what runs 0..R-2 run besides the fetches, the resets of the last run) for a step
-    fetching ``elements``: the sums of the gradients the fetched train ops read, and the
-    writes those train ops wait for before the update (in every copy)."""
+    """The adds and resets of the sums of the gradients the fetched train ops read (not
+    another train op's: a GAN's generator step computes no discriminator gradient)."""
     key = tuple(elements)
     try:
       hit = self._targets.get(key)
@@ -114,13 +110,8 @@ class AccumulationRuns:
         work.extend(t.op for t in op.inputs)
         work.extend(op.control_inputs)
     names = {op.name for op in reached}
-    used = [a for a in self._accumulators if names.intersection(a.readers)]
-    adds = [op for a in used for op in a.adds]
-    resets = [op for a in used for op in a.resets]
-    for op in self._waited_for(reached):
-      adds.extend(o for o in (self._clones.op(c, op) for c in range(self._pg.num_copies))
-                  if o is not None)
-    hit = (adds, resets)
+    hit = [op for a in self._accumulators if names.intersection(a.readers)
+           for op in a.adds + a.resets]
     if key is not None:
       self._targets[key] = hit
     return hit
