@@ -14,8 +14,8 @@ pass is one module plus one line here.
   recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
   step_reads     updates wait for every read of their variable in the step; reads of a shared
                  variable (global_step) see one value in every copy and micro-batch
-  gradient_sync  accumulate micro-batch gradients, all-reduce them across copies, rewire the
-                 optimizer's apply ops
+  gradient_sync  accumulate micro-batch gradients (over clones, or over session runs:
+                 run_sums), all-reduce them across copies, rewire the optimizer's apply ops
   zero           each copy keeps and updates the optimizer state of its share (zero.level v0)
   offload        weights, slots and the update on the host CPU (offload.level v0)
   apply_groups   the update in sequential groups balanced by size (optimizer.num_apply_group)

@@ -3,7 +3,8 @@
 A running sum, each micro-batch weighted by its share of the fed rows (``row_weights``: one
 scalar per copy and micro-batch, taken apart once), divided by M for ``mean``; sparse
 gradients (``IndexedSlices``) are concatenated. The copy's update ops are rewired to read the
-sum. ``Item`` is what gradient_sync then reduces across copies.
+sum. ``Item`` is what gradient_sync then reduces across copies. With ``plan.accumulate_runs``
+(micro-batches as session runs) the sum is over the step's runs instead (run_sums.py).
 """
 import dataclasses
 
@@ -88,10 +89,7 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
     with tf.device(worker.device_of(c, tg)):
       g = copy_tensor(clones, c, grad)
       first.append(g)
-      if weights is not None:
-        g = _scaled(g, weights, c)
-      if mean:
-        g = _divided(g, sums.runs)
+      g = sums.weighted(g, c, weights, mean)
     summed, add, reset, init = sums.summed(worker.device_of(c, tg), g, shape,
                                            "%s_%d" % (name, c))
     per_copy.append(summed)
@@ -104,12 +102,6 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
   sums.record(var_op.name, {r.name for rs in item.readers.values() for r in rs}, adds, resets,
               inits)
   return item
-
-
-def _divided(g, count):
-  if isinstance(g, tf.IndexedSlices):
-    return tf.IndexedSlices(g.values / tf.cast(count, g.values.dtype), g.indices, g.dense_shape)
-  return g / tf.cast(count, g.dtype)
 
 
 class Weights:

@@ -40,11 +40,32 @@ class RunSums:
   def __init__(self, graph, host, runs):
     self.runs = runs
     self.accumulators = []
+    self._factors = {}
     with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
         tf.device(host), tf.name_scope("epl_accumulate"):
       self.last = tf.placeholder_with_default(True, [], name="last_run")
       _, alive = tf.raw_ops.Switch(data=self.last, pred=self.last)
       self.gate = tf.identity(alive, name="gate")
+
+  def weighted(self, g, copy, weights, mean):
+    """Copy ``copy``'s gradient ``g`` times its run's row weight (``weights``: accumulate's
+    Weights, or None), divided by the runs for ``mean``: one multiply, by a factor built once
+    per copy and dtype."""
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    dtype = values.dtype.base_dtype
+    key = (copy, dtype)
+    if key not in self._factors:
+      factor = weights[copy, dtype] if weights is not None else None
+      if mean:
+        inverse = tf.constant(1.0 / self.runs, dtype)
+        factor = inverse if factor is None else factor * inverse
+      self._factors[key] = factor
+    factor = self._factors[key]
+    if factor is None:
+      return g
+    if isinstance(g, tf.IndexedSlices):
+      return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+    return g * factor
 
   def summed(self, device, g, shape, name):
     """The tensor the update reads instead of ``g`` (one copy's weighted gradient, a Tensor
@@ -57,9 +78,10 @@ class RunSums:
       add = tf.raw_ops.AssignAddVariableOp(resource=total.handle, value=g)
       with tf.control_dependencies([add, self.gate.op]):
         summed = total.read()
+      zeros = tf.zeros(shape, g.dtype)
       with tf.control_dependencies([summed.op]):
-        reset = total.zero()
-      return summed, [add], [reset], [total.zero()]
+        reset = total.assign(zeros)
+      return summed, [add], [reset], [total.assign(zeros)]
 
   def _sparse(self, g, shape, name):
     values, count = _Sum(shape, g.values.dtype, name), _Sum(shape[:1], tf.float32, name + "_rows")
@@ -72,9 +94,10 @@ class RunSums:
       touched = tf.reshape(tf.where(count.read() > 0), [-1])
       summed = tf.IndexedSlices(_loose(tf.gather(values.read(), touched)),
                                 _loose(tf.cast(touched, g.indices.dtype)), g.dense_shape)
+    zeros = [tf.zeros(shape, values.dtype), tf.zeros(shape[:1], tf.float32)]
     with tf.control_dependencies([summed.values.op, summed.indices.op]):
-      resets = [values.zero(), count.zero()]
-    return summed, adds, resets, [values.zero(), count.zero()]
+      resets = [values.assign(zeros[0]), count.assign(zeros[1])]
+    return summed, adds, resets, [values.assign(zeros[0]), count.assign(zeros[1])]
 
   def record(self, variable, readers, adds, resets, inits):
     self.accumulators.append(Accumulator(variable, tuple(sorted(readers)), tuple(adds),
@@ -105,9 +128,8 @@ class _Sum:
   def read(self):
     return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
 
-  def zero(self):
-    return tf.raw_ops.AssignVariableOp(resource=self.handle,
-                                       value=tf.zeros(self.shape, self.dtype))
+  def assign(self, value):
+    return tf.raw_ops.AssignVariableOp(resource=self.handle, value=value)
 
 
 def _loose(t):
