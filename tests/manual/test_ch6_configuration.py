@@ -57,7 +57,7 @@ def test_6_0_four_micro_batches_as_written_accumulate_on_the_one_copy():
   # no annotation: the whole graph is one copy that reads 4 batches and updates once a run
   pg = s.assert_trains_the_local_model(lambda x, y, u: s.model(x, y),
                                        epl.Config({"pipeline.num_micro_batch": 4}), copies=4)
-  assert pg.plan.total_copies == 1 and pg.plan.num_micro_batch == 4
+  assert pg.plan.total_copies == 1 and pg.plan.micro_batches == 4   # as runs (graph.micro_batches)
 
 
 def test_6_1_pipeline_keys():
