@@ -46,7 +46,9 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
     # took over 4 s on a loaded machine)
     assert len(steps) >= 3 and all(b > a for a, b in zip(steps, steps[1:])), (name, steps)
     last = samples[-1]
-    assert last["steps"] >= 1000 and last["evals"] >= 1, (name, last)
+    # hundreds of steps, not a speed test (bench/ measures speed): pipe2x1 trained 800 to
+    # 1100 steps in 12 s on the same machine within minutes, for the same tree
+    assert last["steps"] >= 500 and last["evals"] >= 1, (name, last)
     assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
   assert out.returncode == 0, out.stderr[-2000:]
 
