@@ -1,7 +1,8 @@
 """Real model sizes: what a worker pays before its first step, per layout (#36).
 
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
-                        [--steps 5] [--grappler on|off|auto] [--json]
+                        [--steps 5] [--grappler on|off|auto] [--micro-batches auto|runs|clones]
+                        [--json]
 
 Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
 CPU devices): a GPT-style stack of L transformer blocks (hidden 256, 4 heads, sequence 32,
@@ -118,7 +119,9 @@ def child(spec):
     driver.rewrite = timed
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "pipeline.num_micro_batch": micro, "log.progress_secs": 0,
-                         "graph.grappler": spec.get("grappler", "on")}))
+                         "graph.grappler": spec.get("grappler", "on"),
+                         **({"graph.micro_batches": spec.get("micro_batches", "auto")}
+                            if micro > 1 else {})}))
     if stages == 1:
       epl.set_default_strategy(epl.replicate(1))
   tokens, labels, loss, train = build(tf, epl, spec["layers"], spec["hidden"], spec["heads"],
@@ -171,18 +174,22 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--grappler", default="on", choices=["on", "off", "auto"],
                  help="epl's graph.grappler key for the epl layouts")
+  p.add_argument("--micro-batches", default="auto", choices=["auto", "runs", "clones"],
+                 help="epl's graph.micro_batches key for the layouts with micro-batches")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
   if args.child:
     return child(json.loads(args.child))
   specs = [dict(name="L%s %s" % (layers, layout), layers=int(layers), hidden=256, heads=4,
-                layout=layout, steps=args.steps, grappler=args.grappler)
+                layout=layout, steps=args.steps, grappler=args.grappler,
+                micro_batches=args.micro_batches)
            for layers in args.layers.split(",") if layers for layout in args.layouts.split(",")]
   if args.bert:
     specs += [dict(name="BERT-base local", layers=12, hidden=768, heads=12, layout="local",
                    steps=args.steps, rows=ROWS),
               dict(name="BERT-base dp2_m4", layers=12, hidden=768, heads=12, layout="dp2_m4",
-                   steps=args.steps, rows=ROWS, grappler=args.grappler)]
+                   steps=args.steps, rows=ROWS, grappler=args.grappler,
+                   micro_batches=args.micro_batches)]
   print("%-28s %8s %9s %8s %9s %9s %7s" % ("configuration", "user ops", "graph ops",
                                           "rewrite", "1st step", "steady", "RSS GiB"))
   results = []
