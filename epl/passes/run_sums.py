@@ -78,10 +78,9 @@ class RunSums:
       add = tf.raw_ops.AssignAddVariableOp(resource=total.handle, value=g)
       with tf.control_dependencies([add, self.gate.op]):
         summed = total.read()
-      zeros = tf.zeros(shape, g.dtype)
-      with tf.control_dependencies([summed.op]):
-        reset = total.assign(zeros)
-      return summed, [add], [reset], [total.assign(zeros)]
+      with tf.control_dependencies([summed.op]):    # (its zeros too: a Fill in every run)
+        reset = total.assign(tf.zeros(shape, g.dtype))
+      return summed, [add], [reset], [total.assign(tf.zeros(shape, g.dtype))]
 
   def _sparse(self, g, shape, name):
     values, count = _Sum(shape, g.values.dtype, name), _Sum(shape[:1], tf.float32, name + "_rows")
@@ -94,10 +93,12 @@ class RunSums:
       touched = tf.reshape(tf.where(count.read() > 0), [-1])
       summed = tf.IndexedSlices(_loose(tf.gather(values.read(), touched)),
                                 _loose(tf.cast(touched, g.indices.dtype)), g.dense_shape)
-    zeros = [tf.zeros(shape, values.dtype), tf.zeros(shape[:1], tf.float32)]
+    def zeros():
+      return [values.assign(tf.zeros(shape, values.dtype)),
+              count.assign(tf.zeros(shape[:1], tf.float32))]
     with tf.control_dependencies([summed.values.op, summed.indices.op]):
-      resets = [values.assign(zeros[0]), count.assign(zeros[1])]
-    return summed, adds, resets, [values.assign(zeros[0]), count.assign(zeros[1])]
+      resets = zeros()
+    return summed, adds, resets, zeros()
 
   def record(self, variable, readers, adds, resets, inits):
     self.accumulators.append(Accumulator(variable, tuple(sorted(readers)), tuple(adds),
