@@ -23,6 +23,8 @@ import weakref
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from epl.passes.slots import ancestors
+
 
 class AccumulationRuns:
   """Runs steps of ``pg`` (a ParallelGraph with ``plan.accumulate_runs`` > 1)."""
@@ -102,19 +104,17 @@ class AccumulationRuns:
       hit, key = None, None
     if hit is not None:
       return hit
-    reached, work = set(), [getattr(e, "op", e) for e in elements if e is not None]
-    while work:
-      op = work.pop()
-      if isinstance(op, tf.Operation) and op not in reached:
-        reached.add(op)
-        work.extend(t.op for t in op.inputs)
-        work.extend(op.control_inputs)
-    names = {op.name for op in reached}
+    names = {op.name for op in ancestors(_ops_of(elements))}
     hit = [op for a in self._accumulators if names.intersection(a.readers)
            for op in a.adds + a.resets]
     if key is not None:
       self._targets[key] = hit
     return hit
+
+
+def _ops_of(elements):
+  ops = (getattr(e, "op", e) for e in elements)
+  return [op for op in ops if isinstance(op, tf.Operation)]
 
 
 def _combine(kind, values):

@@ -17,6 +17,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.op_tables import DATA_SOURCE_OPS, RANDOM_OPS, VARIABLE_OPS, mutates
+from epl.passes.slots import ancestors
 from epl.runtime import feeds
 
 log = logging.getLogger("epl")
@@ -157,13 +158,8 @@ class Progress:
               if op.type in DATA_SOURCE_OPS or op.type in RANDOM_OPS] if pg.analysis else []
     if not inputs:
       return None
-    upstream, work = set(), [getattr(e, "op", e) for e in elements]
-    while work:
-      op = work.pop()
-      if isinstance(op, tf.Operation) and op not in upstream:
-        upstream.add(op)
-        work.extend(t.op for t in op.inputs)
-        work.extend(op.control_inputs)
+    upstream = ancestors([op for op in (getattr(e, "op", e) for e in elements)
+                          if isinstance(op, tf.Operation)])
     clones = pg.clones() if pg.replication is not None else None
     for op in inputs:
       first = op.outputs[0]
