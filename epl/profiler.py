@@ -60,47 +60,15 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
   graph = graph or sess.graph
   trainable = [v.op for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)] \
       if trainable is None else list(trainable)
-  after = _after_gradients(graph)            # clipping, the optimizer: not model layers
-  forward_ops = {}
-  for op in graph.get_operations():
-    layer, backward = layer_of(op.name)
-    if layer is not None and not backward and op not in after:
-      forward_ops.setdefault(layer, []).append(op)
-  trained = set(trainable)
-  initialisers = {v.initializer for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)} | {
-      c for var in trained for c in var.outputs[0].consumers()
-      if c.type in ("Assign", "AssignVariableOp") and "/Initializer/" in c.inputs[1].name}
-  updates = {layer_of(op.name)[0] for op in graph.get_operations()      # the optimizer
-             if mutates(op) and op.type not in READ_OPS and op not in initialisers and
-             any(t.op in trained for t in op.inputs)}
-  order = sorted((layer for layer, ops in forward_ops.items()
-                  if layer not in updates and any(_computes(op) for op in ops)),
-                 key=lambda layer: min(compat.op_id(op) for op in forward_ops[layer]))
+  forward_ops, order = _layers(graph, trainable)
   index = {layer: i for i, layer in enumerate(order)}
-  forward_ms, backward_ms = collections.Counter(), collections.Counter()
-  out_bytes = collections.Counter()
   crossing = set()                            # (op name, output slot) read by another layer
   for layer in order:
     for op in forward_ops[layer]:
       for t in op.outputs:
         if any(_reader(c, index) not in (None, layer) for c in t.consumers()):
           crossing.add((op.name, t.value_index))
-  sess.run(fetches, feed_dict)                # warm-up: not traced
-  for _ in range(steps):
-    meta = _trace(sess, fetches, feed_dict)
-    for dev in meta.step_stats.dev_stats:
-      if "stream:" in dev.device or "memcpy" in dev.device:
-        continue
-      for n in dev.node_stats:
-        layer, backward = layer_of(n.node_name)
-        if layer not in index:
-          continue
-        ms = max(n.op_end_rel_micros - n.op_start_rel_micros, 0) / 1000.0
-        (backward_ms if backward else forward_ms)[layer] += ms
-        if not backward:
-          for out in n.output:
-            if (n.node_name, out.slot) in crossing:
-              out_bytes[layer] += out.tensor_description.allocation_description.requested_bytes
+  forward_ms, backward_ms, out_bytes = _timed(sess, fetches, feed_dict, steps, index, crossing)
   params = collections.Counter()
   for var in trainable:
     layer, _ = layer_of(var.name + "/x")
@@ -120,6 +88,52 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
                      float(params[layer]))
                 for i, layer in enumerate(order))
   return Profile(nodes, tuple(edges))
+
+
+def _layers(graph, trainable):
+  """({layer: its forward ops}, the model's layers in graph order): a layer is a name scope
+  holding computing forward ops, not one that updates the trained variables."""
+  after = _after_gradients(graph)            # clipping, the optimizer: not model layers
+  forward_ops = {}
+  for op in graph.get_operations():
+    layer, backward = layer_of(op.name)
+    if layer is not None and not backward and op not in after:
+      forward_ops.setdefault(layer, []).append(op)
+  trained = set(trainable)
+  initialisers = {v.initializer for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)} | {
+      c for var in trained for c in var.outputs[0].consumers()
+      if c.type in ("Assign", "AssignVariableOp") and "/Initializer/" in c.inputs[1].name}
+  updates = {layer_of(op.name)[0] for op in graph.get_operations()      # the optimizer
+             if mutates(op) and op.type not in READ_OPS and op not in initialisers and
+             any(t.op in trained for t in op.inputs)}
+  order = sorted((layer for layer, ops in forward_ops.items()
+                  if layer not in updates and any(_computes(op) for op in ops)),
+                 key=lambda layer: min(compat.op_id(op) for op in forward_ops[layer]))
+  return forward_ops, order
+
+
+def _timed(sess, fetches, feed_dict, steps, index, crossing):
+  """Per layer, summed over ``steps`` traced steps (after a warm-up): forward ms, backward
+  ms, and bytes of the ``crossing`` outputs."""
+  forward_ms, backward_ms = collections.Counter(), collections.Counter()
+  out_bytes = collections.Counter()
+  sess.run(fetches, feed_dict)                # warm-up: not traced
+  for _ in range(steps):
+    meta = _trace(sess, fetches, feed_dict)
+    for dev in meta.step_stats.dev_stats:
+      if "stream:" in dev.device or "memcpy" in dev.device:
+        continue
+      for n in dev.node_stats:
+        layer, backward = layer_of(n.node_name)
+        if layer not in index:
+          continue
+        ms = max(n.op_end_rel_micros - n.op_start_rel_micros, 0) / 1000.0
+        (backward_ms if backward else forward_ms)[layer] += ms
+        if not backward:
+          for out in n.output:
+            if (n.node_name, out.slot) in crossing:
+              out_bytes[layer] += out.tensor_description.allocation_description.requested_bytes
+  return forward_ms, backward_ms, out_bytes
 
 
 def _after_gradients(graph):

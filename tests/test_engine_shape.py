@@ -164,6 +164,17 @@ def test_no_module_over_400_lines():
   assert not long, long
 
 
+def test_no_function_over_60_lines():
+  """A function a newcomer can read in one screen: none in epl/ is over 60 lines."""
+  long = {}
+  for m, p in _modules().items():
+    for node in ast.walk(ast.parse(open(p).read())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if (n := node.end_lineno - node.lineno + 1) > 60:
+          long["%s.%s" % (m, node.name)] = n
+  assert not long, long
+
+
 # ---- hooks -------------------------------------------------------------------------------
 def test_the_hook_table_the_docs_describe_is_the_one_installed():
   """_tf_compat's docstring says how many hooks there are and lists every hooked function;
@@ -179,6 +190,19 @@ def test_the_hook_table_the_docs_describe_is_the_one_installed():
   table = compat.__doc__.split("why\n")[1]
   for owner, attr, _ in compat._HOOKS:  # pylint: disable=protected-access
     assert attr.lstrip("_") in table.replace("._", "."), (owner, attr)
+
+def test_hooks_forward_what_they_get():
+  """Every hook takes ``*args, **kwargs`` (or TF's own ``**keywords``) and forwards them: none
+  re-declares a TF signature, which would narrow TF's API for every caller in the process."""
+  import inspect
+  from epl import _tf_compat as compat
+  for owner, attr, make_wrapper in compat._HOOKS:  # pylint: disable=protected-access
+    original = compat._state.ORIGINALS.get((owner, attr), getattr(owner, attr))  # pylint: disable=protected-access
+    kinds = [p.kind for p in inspect.signature(make_wrapper(original)).parameters.values()]
+    assert inspect.Parameter.VAR_KEYWORD in kinds, (owner, attr, kinds)
+    if attr != "_apply_op_helper":            # its TF signature is (op_type_name, name, **kw)
+      assert inspect.Parameter.VAR_POSITIONAL in kinds, (owner, attr, kinds)
+
 
 def test_hooks_are_reversible():
   from tensorflow.python.client import session

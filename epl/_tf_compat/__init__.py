@@ -60,7 +60,6 @@ aborts (a memory leak without bound; docs/benchmarks.md, "Long runs").
 """
 import contextlib
 import functools
-import inspect
 import threading
 
 from tensorflow.python.client import session as _session
@@ -73,12 +72,13 @@ from tensorflow.python.ops import variables as _variables
 from tensorflow.python.training import monitored_session as _monitored_session
 from tensorflow.python.summary.writer import writer as _writer
 from tensorflow.python.training import optimizer as _optimizer
-from tensorflow.python.training import checkpoint_utils as _checkpoint_utils
 from tensorflow.python.training import saver as _saver
 from tensorflow.python.training import session_manager as _session_manager
-from tensorflow.python.framework import errors as _errors
 
-from epl._tf_compat import native
+from epl._tf_compat import _state, native
+from epl._tf_compat._state import unfinalized  # noqa: F401
+from epl._tf_compat.checkpoint_hooks import (OWN_STATE, restore_checkpoint_hook,  # noqa: F401
+                                            saver_restore_hook, saver_save_hook)
 from epl._tf_compat import split_variables as _split_vars
 from epl._tf_compat.native import (  # noqa: F401
     aborted_rendezvous_released, pinned_rendezvous, release_aborted_rendezvous,
@@ -94,28 +94,7 @@ from epl._tf_compat.graph_edit import (  # noqa: E402,F401  pylint: disable=wron
     replace_control_inputs, set_device, update_input)
 
 
-@contextlib.contextmanager
-def unfinalized(graph):
-  """Lets epl add its own ops to a finalized graph, then finalizes it again."""
-  was = graph.finalized
-  if was:
-    graph._unsafe_unfinalize()  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    if was:
-      _ORIGINALS.get((_ops.Graph, "finalize"), _ops.Graph.finalize)(graph)
-
-
 # ---- hooks -----------------------------------------------------------------------------------
-_ORIGINALS = {}          # (owner, attribute) -> TF's own function
-_listener = None         # the epl.runtime.hooks.Dispatcher of the managed graph
-
-
-def _manages(graph):
-  return _listener is not None and _listener.manages(graph)
-
-
 _building = threading.local()      # inside tf.gradients / apply_gradients: split rules rest
 
 
@@ -133,190 +112,130 @@ def _split_scope(inputs=()):
   """The rules context of the split TaskGraph an op built now joins (an open epl.split
   scope, or the one that sharded one of ``inputs``), or None (none, or inside tf.gradients /
   an optimizer, whose ops follow the forward ops they belong to)."""
-  if _listener is None or getattr(_building, "depth", 0):
+  if _state.listener is None or getattr(_building, "depth", 0):
     return None
   graph = _ops.get_default_graph()
-  return _listener.split_scope(graph, inputs) if _manages(graph) else None
+  return _state.listener.split_scope(graph, inputs) if _state.manages(graph) else None
 
 
 def _gradients_hook(original):
-  helper_sig = inspect.signature(original)
+  bind = _state.binder(original)
 
   def helper(*args, **kwargs):
     graph = _ops.get_default_graph()
-    if not _manages(graph):
+    if not _state.manages(graph):
       return original(*args, **kwargs)
-    bound = helper_sig.bind(*args, **kwargs)
+    bound = bind(*args, **kwargs)
     bound.arguments["colocate_gradients_with_ops"] = True
     first = graph.version + 1
     with _differentiating():
       result = original(*bound.args, **bound.kwargs)
-    _listener.on_phase(graph, first, graph.version, "backward")
-    _listener.on_gradients(graph, bound.arguments["xs"], result)
+    _state.listener.on_phase(graph, first, graph.version, "backward")
+    _state.listener.on_gradients(graph, bound.arguments["xs"], result)
     return result
   return helper
 
 
 def _apply_hook(original):
-  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+  bind = _state.binder(original)
+
+  def apply_gradients(*args, **kwargs):
     graph = _ops.get_default_graph()
-    if not _manages(graph):
-      return original(self, grads_and_vars, global_step=global_step, name=name)
-    grads_and_vars = tuple(grads_and_vars)
+    if not _state.manages(graph):
+      return original(*args, **kwargs)
+    bound = bind(*args, **kwargs)
+    grads_and_vars = bound.arguments["grads_and_vars"] = tuple(bound.arguments["grads_and_vars"])
     first = graph.version + 1
     with _differentiating():
-      result = original(self, grads_and_vars, global_step=global_step, name=name)
-    _listener.on_phase(graph, first, graph.version, "apply")
-    _listener.on_apply(graph, grads_and_vars)
+      result = original(*bound.args, **bound.kwargs)
+    _state.listener.on_phase(graph, first, graph.version, "apply")
+    _state.listener.on_apply(graph, grads_and_vars)
     return result
   return apply_gradients
 
 
 def _rewrite_before(original):
   """Scaffold.finalize (MonitoredTrainingSession) builds init/ready/saver ops from the graph."""
-  def finalize(self):
+  def finalize(*args, **kwargs):
     graph = _ops.get_default_graph()
-    if _manages(graph) and not graph.finalized:
-      _listener.before_session(graph)
-    return original(self)
+    if _state.manages(graph) and not graph.finalized:
+      _state.listener.before_session(graph)
+    return original(*args, **kwargs)
   return finalize
 
 
 def _graph_finalize_hook(original):
-  def finalize(self):
-    if _manages(self) and not self.finalized:
-      _listener.before_session(self)
-    return original(self)
+  def finalize(graph, *args, **kwargs):
+    if _state.manages(graph) and not graph.finalized:
+      _state.listener.before_session(graph)
+    return original(graph, *args, **kwargs)
   return finalize
 
 
 def _session_init_hook(original):
-  def __init__(self, target="", graph=None, config=None):
-    g = graph if graph is not None else _ops.get_default_graph()
-    if _manages(g):
-      try:
-        target, config = _listener.session_args(g, target, config)
-      except Exception:
-        self._session = None      # a session refused before TF made one deletes quietly
-        raise
-    return original(self, target, graph, config)
+  bind = _state.binder(original)
+
+  def __init__(*args, **kwargs):
+    bound = bind(*args, **kwargs)
+    arguments = bound.arguments
+    graph = arguments["graph"]
+    graph = graph if graph is not None else _ops.get_default_graph()
+    if not _state.manages(graph):
+      return original(*args, **kwargs)
+    try:
+      arguments["target"], arguments["config"] = _state.listener.session_args(
+          graph, arguments["target"], arguments["config"])
+    except Exception:
+      arguments["self"]._session = None  # a session refused before TF made one deletes quietly
+      raise
+    return original(*bound.args, **bound.kwargs)
   return __init__
 
 
 def _session_run_hook(original):
-  def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-    if _manages(self.graph):
-      return _listener.run(self, original, fetches, feed_dict, options, run_metadata)
-    if _listener is not None:
-      _listener.unmanaged_run(self.graph)
-    return original(self, fetches, feed_dict, options, run_metadata)
+  bind = _state.binder(original)
+
+  def run(*args, **kwargs):
+    bound = bind(*args, **kwargs)
+    arguments = bound.arguments
+    session = arguments["self"]
+    if _state.manages(session.graph):
+      return _state.listener.run(session, original, arguments["fetches"], arguments["feed_dict"],
+                           arguments["options"], arguments["run_metadata"])
+    if _state.listener is not None:
+      _state.listener.unmanaged_run(session.graph)
+    return original(*args, **kwargs)
   return run
-
-
-def _saver_save_hook(original):
-  def save(self, sess, save_path, *args, **kwargs):
-    if not _manages(sess.graph):
-      return original(self, sess, save_path, *args, **kwargs)
-    if not _listener.is_chief(sess.graph):
-      return save_path                     # the chief writes the shared checkpoint
-    try:
-      return original(self, sess, save_path, *args, **kwargs)
-    except _errors.OpError as e:           # a full disk: no half-written checkpoint stays
-      raise _listener.save_failed(save_path, e) from e
-  return save
-
-
-def _restore_checkpoint_hook(original):
-  """SessionManager._restore_checkpoint (MonitoredTrainingSession's restore from its
-  checkpoint_dir): a directory without a readable state file, or whose checkpoint does not
-  restore, resumes from the newest good one (epl.runtime.checkpoints picks it; the restore
-  then names it explicitly, so workers restoring at once never read a state file another one
-  rewrites)."""
-  signature = inspect.signature(original)
-
-  def restore_checkpoint(self, *args, **kwargs):
-    bound = signature.bind(self, *args, **kwargs)
-    directory = bound.arguments.get("checkpoint_dir")
-    if not directory or not _manages(self._graph):  # pylint: disable=protected-access
-      return original(self, *args, **kwargs)
-    path, explicit = _listener.checkpoint_to_restore(directory)
-    while True:
-      if explicit:
-        bound.arguments["checkpoint_dir"] = None
-        bound.arguments["checkpoint_filename_with_path"] = path
-      try:
-        return original(*bound.args, **bound.kwargs)
-      except _RESTORE_FAILURES as e:
-        path, explicit = _listener.restore_failed(directory, path, e), True   # or raises
-  return restore_checkpoint
-
-
-# what a checkpoint that does not read back raises when restored
-_RESTORE_FAILURES = (_errors.DataLossError, _errors.OutOfRangeError, _errors.NotFoundError)
-
-OWN_STATE = "epl_"        # name prefix of the variables epl itself adds (AMP's loss scale)
-
-
-def _saver_restore_hook(original):
-  def restore(self, sess, save_path):
-    if not save_path or not _manages(sess.graph):
-      return original(self, sess, save_path)
-    try:
-      return _restore(original, self, sess, save_path)
-    except _RESTORE_FAILURES as e:               # TF's message names no file
-      raise type(e)(e.node_def, e.op, "restoring checkpoint %s failed: %s" % (
-          save_path, e.message)) from e
-  return restore
-
-
-def _restore(original, self, sess, save_path):
-  """Saver.restore on the managed graph (see _saver_restore_hook)."""
-  if self._var_list is None:  # pylint: disable=protected-access
-    return original(self, sess, save_path)
-  graph = sess.graph
-  saved = {name for name, _ in _checkpoint_utils.list_variables(save_path)}
-  missing = [v for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES)
-             if v.op.name.startswith(OWN_STATE) and v.op.name not in saved]
-  if not missing:
-    return original(self, sess, save_path)
-  names = {v.op.name for v in missing}
-  listed = self._var_list  # pylint: disable=protected-access
-  keep = {k: v for k, v in listed.items() if k not in names} if isinstance(listed, dict) \
-      else [v for v in listed if getattr(getattr(v, "op", None), "name", None) not in names]
-  with unfinalized(graph), graph.as_default():
-    partial = _saver.Saver(var_list=keep, sharded=self._sharded)  # pylint: disable=protected-access
-    fresh = _variables.variables_initializer(missing)
-  # unhooked and first: the restore's replica sync (after it) reads every variable
-  _ORIGINALS[(_session.BaseSession, "run")](sess, fresh)
-  result = original(partial, sess, save_path)
-  _listener.restored_without(sorted(names), save_path)
-  return result
 
 
 def _add_event_hook(original):
   def add_event(self, *args, **kwargs):
-    if _listener is not None and not _listener.is_chief(None):
+    if _state.listener is not None and not _state.listener.is_chief(None):
       return None
     return original(self, *args, **kwargs)
   return add_event
 
 
 def _slices_hook(original):
-  def __init__(self, element, is_files=False, name=None):
+  bind = _state.binder(original)
+
+  def __init__(*args, **kwargs):
     graph = _ops.get_default_graph()
-    if _manages(graph):
-      files = file_list(element)
+    if _state.manages(graph):
+      bound = bind(*args, **kwargs)
+      files = file_list(bound.arguments["element"])
       if files is not None:
-        mine = _listener.slice_files(graph, files, is_files)
+        mine = _state.listener.slice_files(graph, files, bound.arguments["is_files"])
         if mine is not None:
-          element = mine
-    return original(self, element, is_files=is_files, name=name)
+          bound.arguments["element"] = mine
+          return original(*bound.args, **bound.kwargs)
+    return original(*args, **kwargs)
   return __init__
 
 
 def _apply_op_hook(original):
   """Inside a split scope, an op that reads a sharded value is built by its split rule."""
-  def apply_op(op_type_name, name=None, **keywords):
+  def apply_op(op_type_name, name=None, **keywords):   # TF's own signature: (name, **keywords)
     if op_type_name in _split_rules.RULES and not _sharded.in_rule():
       keywords = {k: _whole(v) for k, v in keywords.items()}
       scope = _split_scope(list(_split_rules.tensors(keywords)))
@@ -355,9 +274,9 @@ _HOOKS = (
     (_ops.Graph, "finalize", _graph_finalize_hook),
     (_session.BaseSession, "__init__", _session_init_hook),
     (_session.BaseSession, "run", _session_run_hook),
-    (_saver.Saver, "save", _saver_save_hook),
-    (_saver.Saver, "restore", _saver_restore_hook),
-    (_session_manager.SessionManager, "_restore_checkpoint", _restore_checkpoint_hook),
+    (_saver.Saver, "save", saver_save_hook),
+    (_saver.Saver, "restore", saver_restore_hook),
+    (_session_manager.SessionManager, "_restore_checkpoint", restore_checkpoint_hook),
     (_writer.FileWriter, "add_event", _add_event_hook),
     (_writer.FileWriter, "_add_event", _add_event_hook),
     (_slices._TensorSliceDataset, "__init__", _slices_hook),  # pylint: disable=protected-access
@@ -366,13 +285,12 @@ _HOOKS = (
 
 def install(listener):
   """Installs the hooks (once per process); ``listener`` receives the events from now on."""
-  global _listener
-  _listener = listener
-  if _ORIGINALS:
+  _state.listener = listener
+  if _state.ORIGINALS:
     return
   for owner, attr, make_wrapper in _HOOKS:
     original = getattr(owner, attr)
-    _ORIGINALS[(owner, attr)] = original
+    _state.ORIGINALS[(owner, attr)] = original
     wrapper = make_wrapper(original)
     functools.update_wrapper(wrapper, original)
     wrapper.__epl_hook__ = True
@@ -381,14 +299,13 @@ def install(listener):
 
 def uninstall():
   """Removes every hook, restoring TF's own functions."""
-  global _listener
-  _listener = None
-  for (owner, attr), original in _ORIGINALS.items():
+  _state.listener = None
+  for (owner, attr), original in _state.ORIGINALS.items():
     setattr(owner, attr, original)
-  _ORIGINALS.clear()
+  _state.ORIGINALS.clear()
   native.restore()
 
 
 def installed():
   """True while the hooks are in place."""
-  return bool(_ORIGINALS)
+  return bool(_state.ORIGINALS)

@@ -125,34 +125,11 @@ def convert(graph, ops, phase, recorder, low, debug=False):
     return Conversion({}, {}, {}, ())
   members = set(chosen)
   twins = recorder.twins
-  input_map, per_use = {}, []
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None):
-    for op in chosen:
-      for index, t in enumerate(op.inputs):
-        if t.dtype != tf.float32 or t.op in members:
-          continue
-        if _is_weight(t):
-          per_use.append((op, index, t))
-        if t not in input_map:
-          with tf.device(op.device):
-            cast = tf.cast(t, low, name="%s/cast/%s_%d" % (PREFIX, t.op.name, t.value_index))
-          twins[cast.op.name] = (op if _is_weight(t) else t.op).name
-          input_map[t] = cast
+    input_map, per_use = _input_casts(chosen, members, low, twins)
     clones = clone_ops(graph, chosen, PREFIX, lambda op: op.device, input_map,
                        edit=_switch_types(low))
-    weight_casts = []
-    first_use = {}
-    for op, index, t in per_use:         # a weight: one cast per use, made just before it
-      twin = clones[op.name]
-      if t not in first_use:
-        first_use[t] = op
-        weight_casts.append(input_map[t].op.name)
-        continue
-      with tf.device(op.device):
-        cast = tf.cast(t, low, name="%s/cast/%s_%d" % (PREFIX, t.op.name, t.value_index))
-      twins[cast.op.name] = op.name
-      weight_casts.append(cast.op.name)
-      compat.update_input(twin, index, cast)
+    weight_casts = _weight_casts(per_use, clones, input_map, low, twins)
     substitutes = {}
     for op in chosen:
       twin = clones[op.name]
@@ -175,6 +152,42 @@ def convert(graph, ops, phase, recorder, low, debug=False):
                clones[op.name].name)
   return Conversion(counts, {op.name: clones[op.name].name for op in chosen}, substitutes,
                     tuple(weight_casts))
+
+
+def _input_casts(chosen, members, low, twins):
+  """({float32 input from outside the chosen ops: its cast to ``low``}, [(op, input index,
+  weight)] of the weights they read)."""
+  input_map, per_use = {}, []
+  for op in chosen:
+    for index, t in enumerate(op.inputs):
+      if t.dtype != tf.float32 or t.op in members:
+        continue
+      if _is_weight(t):
+        per_use.append((op, index, t))
+      if t not in input_map:
+        with tf.device(op.device):
+          cast = tf.cast(t, low, name="%s/cast/%s_%d" % (PREFIX, t.op.name, t.value_index))
+        twins[cast.op.name] = (op if _is_weight(t) else t.op).name
+        input_map[t] = cast
+  return input_map, per_use
+
+
+def _weight_casts(per_use, clones, input_map, low, twins):
+  """A weight gets one cast per use, made just before it (the first use keeps the shared
+  one); returns the casts' names."""
+  names, first_use = [], {}
+  for op, index, t in per_use:
+    twin = clones[op.name]
+    if t not in first_use:
+      first_use[t] = op
+      names.append(input_map[t].op.name)
+      continue
+    with tf.device(op.device):
+      cast = tf.cast(t, low, name="%s/cast/%s_%d" % (PREFIX, t.op.name, t.value_index))
+    twins[cast.op.name] = op.name
+    names.append(cast.op.name)
+    compat.update_input(twin, index, cast)
+  return names
 
 
 def _back(low_tensor, op, twins):

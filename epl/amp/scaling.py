@@ -88,41 +88,70 @@ def add_loss_scaling(graph, recorder, phase, loss_scale):
           0, trainable=False, name=PREFIX + "/good_steps", dtype=tf.int64)
       _twin_all(graph, since, twins, anchor)
       _add_to_init_groups(graph, [scale_var.initializer, good_var.initializer])
-    for seed in seeds:
-      since = len(graph.get_operations())
-      value = scale_var.read_value() if dynamic else tf.constant(float(loss_scale))
-      seed_out = seed.outputs[0]
-      scaled = tf.multiply(seed_out, value, name=PREFIX + "/scaled_" + seed.name.replace(
-          "/", "_"))
-      for consumer in list(seed_out.consumers()):
-        if consumer is not scaled.op:
-          _replace_input(consumer, seed_out, scaled)
-      _twin_all(graph, since, twins, seed)
-    inverse = (tf.math.reciprocal(scale_var.read_value(), name=PREFIX + "/inverse")
-               if dynamic else tf.constant(1.0 / float(loss_scale), name=PREFIX + "/inverse"))
-    unscaled = []
-    for g, _ in grads:
-      t = g.values if isinstance(g, tf.IndexedSlices) else g
-      u = tf.multiply(t, inverse, name=PREFIX + "/unscaled_" + t.op.name.replace("/", "_"))
-      for consumer in list(t.consumers()):
-        if consumer is not u.op and phase.get(consumer) not in ("forward", "backward"):
-          _replace_input(consumer, t, u)
-      unscaled.append(u)
+      scale = scale_var.read_value
+      inverse = lambda: tf.math.reciprocal(scale_var.read_value(), name=PREFIX + "/inverse")
+    else:
+      scale = lambda: tf.constant(float(loss_scale))
+      inverse = lambda: tf.constant(1.0 / float(loss_scale), name=PREFIX + "/inverse")
+    _scale_seeds(graph, seeds, scale, twins)
+    unscaled = _unscale(grads, inverse(), phase)
     if not dynamic:
       return LossScaling(False, float(loss_scale), None, None,
                          tuple(s.name for s in seeds), ())
-    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.is_finite(u)) for u in unscaled]),
-                           name=PREFIX + "/finite")
-    _, alive = control_flow_ops.switch(finite, finite, name=PREFIX + "/gate_switch")
-    gate = tf.identity(alive, name=PREFIX + "/gate")
-    scale = scale_var.read_value()
-    good_next = tf.where(finite, good_var.read_value() + 1, tf.constant(0, tf.int64))
-    grow = good_next >= GROWTH_INTERVAL
-    new_scale = tf.where(finite, tf.where(grow, scale * 2.0, scale),
-                         tf.maximum(scale * 0.5, 1.0))
-    update = tf.group(scale_var.assign(new_scale, read_value=False),
-                      good_var.assign(tf.where(grow, tf.zeros_like(good_next), good_next),
-                                      read_value=False), name=PREFIX + "/update_scale")
+    gate, update = _dynamic_update(scale_var, good_var, unscaled)
+  gated = _gate_updates(graph, phase, [gate.op, update])
+  return LossScaling(True, None, scale_var.op.name, good_var.op.name,
+                     tuple(s.name for s in seeds), tuple(sorted(op.name for op in gated)))
+
+
+def _scale_seeds(graph, seeds, scale, twins):
+  """Every consumer of a gradient seed reads it times ``scale()``."""
+  for seed in seeds:
+    since = len(graph.get_operations())
+    seed_out = seed.outputs[0]
+    scaled = tf.multiply(seed_out, scale(), name=PREFIX + "/scaled_" + seed.name.replace(
+        "/", "_"))
+    for consumer in list(seed_out.consumers()):
+      if consumer is not scaled.op:
+        _replace_input(consumer, seed_out, scaled)
+    _twin_all(graph, since, twins, seed)
+
+
+def _unscale(grads, inverse, phase):
+  """What reads a raw gradient outside the forward and backward reads it times ``inverse``;
+  returns the unscaled gradients."""
+  unscaled = []
+  for g, _ in grads:
+    t = g.values if isinstance(g, tf.IndexedSlices) else g
+    u = tf.multiply(t, inverse, name=PREFIX + "/unscaled_" + t.op.name.replace("/", "_"))
+    for consumer in list(t.consumers()):
+      if consumer is not u.op and phase.get(consumer) not in ("forward", "backward"):
+        _replace_input(consumer, t, u)
+    unscaled.append(u)
+  return unscaled
+
+
+def _dynamic_update(scale_var, good_var, unscaled):
+  """(gate, update): the gate is dead when a gradient is not finite; the update halves the
+  scale then, and doubles it after GROWTH_INTERVAL finite steps."""
+  finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.is_finite(u)) for u in unscaled]),
+                         name=PREFIX + "/finite")
+  _, alive = control_flow_ops.switch(finite, finite, name=PREFIX + "/gate_switch")
+  gate = tf.identity(alive, name=PREFIX + "/gate")
+  scale = scale_var.read_value()
+  good_next = tf.where(finite, good_var.read_value() + 1, tf.constant(0, tf.int64))
+  grow = good_next >= GROWTH_INTERVAL
+  new_scale = tf.where(finite, tf.where(grow, scale * 2.0, scale),
+                       tf.maximum(scale * 0.5, 1.0))
+  update = tf.group(scale_var.assign(new_scale, read_value=False),
+                    good_var.assign(tf.where(grow, tf.zeros_like(good_next), good_next),
+                                    read_value=False), name=PREFIX + "/update_scale")
+  return gate, update
+
+
+def _gate_updates(graph, phase, controls):
+  """Every variable write of the apply phase (not an initializer, not the scale's own) waits
+  for ``controls``; returns those ops."""
   initializers = {v.initializer for key in (tf.GraphKeys.GLOBAL_VARIABLES,
                                             tf.GraphKeys.LOCAL_VARIABLES)
                   for v in graph.get_collection(key)}
@@ -130,9 +159,8 @@ def add_loss_scaling(graph, recorder, phase, loss_scale):
            if p == "apply" and _writes_variable(op) and op not in initializers and
            not op.name.startswith(PREFIX + "/")]
   for op in gated:
-    compat.add_control_inputs(op, [gate.op, update])
-  return LossScaling(True, None, scale_var.op.name, good_var.op.name,
-                     tuple(s.name for s in seeds), tuple(sorted(op.name for op in gated)))
+    compat.add_control_inputs(op, controls)
+  return gated
 
 
 def _replace_input(consumer, old, new):

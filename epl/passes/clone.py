@@ -70,20 +70,9 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None, ed
     node = graph_def.node.add()
     node.CopyFrom(node_cache.get(op.name))
     node.device = device_fn(op) or ""
-    if "_class" in node.attr:
-      del node.attr["_class"]
+    _rename_for_clone(node, prefix)
     if edit is not None:
       edit(op, node)
-    if node.op in _FRAME_OPS:
-      frame = node.attr["frame_name"].s.decode()
-      node.attr["frame_name"].s = ("%s/%s" % (prefix, frame)).encode()
-    if "seed2" in node.attr and (node.attr["seed"].i or node.attr["seed2"].i):
-      # a clone draws its own numbers (dropout masks, synthetic batches), reproducibly
-      node.attr["seed2"].i = _clone_seed(node.attr["seed2"].i, prefix)
-    if node.op == "VarHandleOp" and node.attr["shared_name"].s:
-      # A resource variable's name is its identity on a device: give the copy its own.
-      node.attr["shared_name"].s = ("%s/%s" % (prefix, node.attr["shared_name"].s.decode())
-                                    ).encode()
     inputs = list(node.input)
     del node.input[:]
     for name in inputs:
@@ -97,17 +86,33 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None, ed
       original = by_name.get(src) or graph.get_operation_by_name(src)
       by_name[src] = original
       tensor = original.outputs[index]
-      replacement = input_map.get(tensor, tensor)
       key = "%s:%d" % (src, index)
-      imports[key] = replacement
+      imports[key] = input_map.get(tensor, tensor)
       node.input.append(key)
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.device(None):
     new_ops = compat.import_nodes(graph, graph_def, imports, [op.name for op in ops], prefix)
   mapping = dict(zip((op.name for op in ops), new_ops))
   for name, controls in control_after.items():
-    compat.add_control_inputs(mapping[name], [c for c in controls])
+    compat.add_control_inputs(mapping[name], list(controls))
   return mapping
+
+
+def _rename_for_clone(node, prefix):
+  """What makes a clone's NodeDef its own: no colocation with the original, its own while
+  frame, random seed and resource variable name."""
+  if "_class" in node.attr:
+    del node.attr["_class"]
+  if node.op in _FRAME_OPS:
+    frame = node.attr["frame_name"].s.decode()
+    node.attr["frame_name"].s = ("%s/%s" % (prefix, frame)).encode()
+  if "seed2" in node.attr and (node.attr["seed"].i or node.attr["seed2"].i):
+    # a clone draws its own numbers (dropout masks, synthetic batches), reproducibly
+    node.attr["seed2"].i = _clone_seed(node.attr["seed2"].i, prefix)
+  if node.op == "VarHandleOp" and node.attr["shared_name"].s:
+    # A resource variable's name is its identity on a device: give the copy its own.
+    node.attr["shared_name"].s = ("%s/%s" % (prefix, node.attr["shared_name"].s.decode())
+                                  ).encode()
 
 
 def _clone_seed(seed2, prefix):

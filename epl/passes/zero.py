@@ -106,17 +106,14 @@ def zero(ctx):
   if level not in ("v0", "v1", "v2"):
     return Zero()
   graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
-  n, job = worker.num_copies, plan.copies
+  job = plan.copies
   if len(job) < 2:
     return Zero()
-  local = {}                       # a job-wide copy -> its index among its worker's copies
-  for k, copy in enumerate(job):
-    local[k] = sum(1 for other in job[:k] if other.client == copy.client)
-  clones = ctx.clones()
+  local = {k: sum(1 for other in job[:k] if other.client == copy.client)
+           for k, copy in enumerate(job)}      # a job-wide copy -> its index on its worker
   get = graph.get_operation_by_name
-  trained = sorted({g.variable for g in plan.gradients})
   mirrored = ctx.result("replicate").mirrored
-  partitioned = slots(mirrored, trained)
+  partitioned = slots(mirrored, sorted({g.variable for g in plan.gradients}))
   owners, updates = assign_owners(ctx)
   colocated = {}
   for op in graph.get_operations():
@@ -133,49 +130,63 @@ def zero(ctx):
     tg = ctx.owner.get(get(name))
     here = job[k].client == worker.index
     j = local[k] if here else None
-    device = clones.op(j, get(name)).device if here else job[k].devices[tg][0]
+    device = ctx.clones().op(j, get(name)).device if here else job[k].devices[tg][0]
     for slot in (s for s, v in partitioned.items() if v == name):
-      user = get(slot)
-      if j != 0:
-        # copy 0's own (never run) update must stay placeable next to copy 0's variable:
-        # it gets a stand-in slot that is never initialised
-        dead = [op for op in updates[name] if any(t.op is user for t in op.inputs)]
-        if dead:
-          stand_in = _stand_in(graph, user, dead[0].device or get(name).device)
-          for op in dead:
-            for i, t in enumerate(op.inputs):
-              if t.op is user:
-                compat.update_input(op, i, stand_in.outputs[0])
-      # the user's slot lives on the owner's device -- another worker's when the owner is
-      # there: every worker's graph then names the one slot (TF finds it by name on that
-      # task), so the chief's checkpoint saves, and every restore sets, the owner's state
-      for op in [user] + [c for c in user.outputs[0].consumers()] + colocated.get(slot, []):
-        if not op.type.startswith(CHECKPOINT_OPS):     # the Saver's ops stay on the host
-          compat.set_device(op, device)
-      if j:                                      # the owner's ops use the user's slot
-        clone = mirrored[slot][j]
-        for consumer in list(clone.outputs[0].consumers()):
-          for i, t in enumerate(consumer.inputs):
-            if t is clone.outputs[0]:
-              compat.update_input(consumer, i, user.outputs[0])
+      _move_slot(ctx, get(slot), get(name), j, device, updates[name], colocated.get(slot, []),
+                 mirrored)
     if len(plan.clients) > 1:
       dtype = tf.as_dtype(get(name).get_attr("dtype")).base_dtype.name
       buckets.setdefault((tg, dtype, job[k].client), []).append(name)
-    if not here:
-      continue
-    owner_var = clones.op(j, get(name))
-    owner_updates = [clones.op(j, op) for op in updates[name]]
-    for c in range(n):
-      if c == j:
-        continue
-      var_c = clones.op(c, get(name))
-      with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
-          tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
-        copied = _assign(var_c, read_var(owner_var))
-      replace_update(name, [clones.op(c, op) for op in updates[name]], copied)
+    if here:
+      _copy_from_owner(ctx, name, j, updates[name])
   for key in sorted(buckets):
     _broadcast_bucket(ctx, key, sorted(buckets[key]), owners, local, updates)
   return Zero(owners, tuple(sorted(partitioned)), level)
+
+
+def _move_slot(ctx, user, variable, j, device, updates, colocated, mirrored):
+  """The user's slot ``user`` of ``variable``, owned by this worker's copy ``j`` (None: another
+  worker's) goes to the owner's ``device``; the owner's update reads it."""
+  graph = ctx.graph
+  if j != 0:
+    # copy 0's own (never run) update must stay placeable next to copy 0's variable:
+    # it gets a stand-in slot that is never initialised
+    dead = [op for op in updates if any(t.op is user for t in op.inputs)]
+    if dead:
+      stand_in = _stand_in(graph, user, dead[0].device or variable.device)
+      for op in dead:
+        for i, t in enumerate(op.inputs):
+          if t.op is user:
+            compat.update_input(op, i, stand_in.outputs[0])
+  # the user's slot lives on the owner's device -- another worker's when the owner is
+  # there: every worker's graph then names the one slot (TF finds it by name on that
+  # task), so the chief's checkpoint saves, and every restore sets, the owner's state
+  for op in [user] + list(user.outputs[0].consumers()) + colocated:
+    if not op.type.startswith(CHECKPOINT_OPS):     # the Saver's ops stay on the host
+      compat.set_device(op, device)
+  if j:                                      # the owner's ops use the user's slot
+    clone = mirrored[user.name][j]
+    for consumer in list(clone.outputs[0].consumers()):
+      for i, t in enumerate(consumer.inputs):
+        if t is clone.outputs[0]:
+          compat.update_input(consumer, i, user.outputs[0])
+
+
+def _copy_from_owner(ctx, name, j, updates):
+  """Every other copy of variable ``name`` on this worker takes the value its owner, copy
+  ``j``, updated (after the owner's update)."""
+  graph, clones = ctx.graph, ctx.clones()
+  variable = graph.get_operation_by_name(name)
+  owner_var = clones.op(j, variable)
+  owner_updates = [clones.op(j, op) for op in updates]
+  for c in range(ctx.worker.num_copies):
+    if c == j:
+      continue
+    var_c = clones.op(c, variable)
+    with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
+        tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
+      copied = _assign(var_c, read_var(owner_var))
+    replace_update(name, [clones.op(c, op) for op in updates], copied)
 
 
 def _broadcast_bucket(ctx, key, names, owners, local, updates):

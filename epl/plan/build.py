@@ -86,6 +86,29 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                                     "epl.init")
     cluster = dataclasses.replace(cluster, gpu_num_per_worker=1)
   upto = graph.version if upto_version is None else upto_version
+  specs, owner, phase, ops, rank = _attribute(graph, recorder, upto)
+  placements = _placements(specs, config, cluster)
+  phases = _phases(owner, phase, len(specs))
+  tgs = tuple(TaskGraphPlan(i, s.name, placements[i], s.location, phases[i])
+              for i, s in enumerate(specs))
+  parts, crossings = _split_facts(ops, rank, owner, phase, recorder, specs, placements)
+  copies = _layout(placements, config.cluster.colocate_split_and_replicate, cluster)
+  runs = _accumulate_runs(config, placements, micro)
+  if runs > 1:
+    common.update(num_micro_batch=1, accumulate_runs=runs)
+    micro = 1
+  schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
+  return ParallelPlan(
+      tgs, copies, _shards(placements),
+      schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
+      gradients=_gradients(recorder), shared_variables=tuple(sorted(
+          v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
+      parts=parts, crossings=crossings, **common)
+
+
+def _attribute(graph, recorder, upto):
+  """The TaskGraph (renumbered over those that hold ops) and phase of every op of the first
+  ``upto`` versions; returns (their specs, owner, phase, ops by name, ranks)."""
   owner, phase = attribute_ops(graph, recorder, upto)
   ops, rank = split_facts.op_ranks(graph, upto)
   kinds = {i: s.kind for i, s in enumerate(recorder.specs)}
@@ -93,15 +116,21 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
       i: s.device_count or 1 for i, s in enumerate(recorder.specs) if s.kind == REPLICATE})
   used = sorted({t for t in owner.values() if t is not None})
   renumber = {old: new for new, old in enumerate(used)}
-  specs = [recorder.specs[i] for i in used]
-  placements = _placements(specs, config, cluster)
-  per_tg = {new: {p: [] for p in PHASES} for new in range(len(specs))}
-  for op, t in owner.items():
-    per_tg[renumber[t]][phase[op]].append(op.name)
-  tgs = tuple(TaskGraphPlan(i, s.name, placements[i], s.location,
-                            {p: tuple(per_tg[i][p]) for p in PHASES})
-              for i, s in enumerate(specs))
   owner = {op: renumber[t] for op, t in owner.items() if t is not None}
+  return [recorder.specs[i] for i in used], owner, phase, ops, rank
+
+
+def _phases(owner, phase, count):
+  """[{phase: op names in graph order}] of each of the ``count`` TaskGraphs."""
+  out = [{p: [] for p in PHASES} for _ in range(count)]
+  for op, t in owner.items():
+    out[t][phase[op]].append(op.name)
+  return [{p: tuple(names) for p, names in tg.items()} for tg in out]
+
+
+def _split_facts(ops, rank, owner, phase, recorder, specs, placements):
+  """(parts, crossings): which part of a split TaskGraph each op's output is, and the
+  tensors that cross between TaskGraphs of different layouts."""
   kinds = {i: p.kind for i, p in enumerate(placements)}
   split_tgs = {i for i, k in kinds.items() if k == SPLIT}
   parts, crossings = {}, ()
@@ -111,20 +140,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   if split_tgs or len({p.devices for p in placements if p.kind == REPLICATE}) > 1:
     crossings = split_facts.crossings(ops, owner, phase, kinds, specs, placements,
                                       recorder.exchange_axes)
-  colocate = config.cluster.colocate_split_and_replicate
-  copies = _layout(placements, colocate, cluster)
-  gradients = _gradients(recorder)
-  runs = _accumulate_runs(config, placements, micro)
-  if runs > 1:
-    common.update(num_micro_batch=1, accumulate_runs=runs)
-    micro = 1
-  schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
-  return ParallelPlan(
-      tgs, copies, _shards(placements),
-      schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
-      gradients=gradients, shared_variables=tuple(sorted(
-          v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
-      parts=parts, crossings=crossings, **common)
+  return parts, crossings
 
 
 def _accumulate_runs(config, placements, micro):
@@ -170,28 +186,36 @@ def _replica_devices(placements, colocate):
 
 def _placements(specs, config, cluster):
   """Each TaskGraph's placement; raises when the annotations do not fit the devices."""
-  devices_here = cluster.gpu_num_per_worker
-  total = devices_here * cluster.worker_num
-  has_split = any(spec.kind == SPLIT for spec in specs)
-  out = []                # a model replica may span workers (its client drives it all)
-  for spec in specs:
-    if spec.kind == SPLIT:
-      k = spec.device_count or total
-      if k > total:
-        raise PlanError(
-            "split %r asks for device_count=%d but the job has %d device(s); lower "
-            "device_count or launch more workers / --gpu_per_worker" % (spec.name, k, total))
-      out.append(Split(k))
-      continue
-    k = spec.device_count or 1
+  total = cluster.gpu_num_per_worker * cluster.worker_num
+  out = [_placement(spec, total) for spec in specs]
+  _refuse_combinations(specs, out, config, cluster)
+  _check_fit(specs, out, config, cluster)
+  return out
+
+
+def _placement(spec, total):
+  """The placement of one annotation on a job of ``total`` devices."""
+  if spec.kind == SPLIT:
+    k = spec.device_count or total
     if k > total:
       raise PlanError(
-          "%s %r asks for device_count=%d but the job has %d device(s); lower device_count or "
-          "launch more workers / --gpu_per_worker %d" % (spec.kind, spec.name, k, total, k))
-    out.append(Replicate(k))
-  counts = [p.devices for p in out if p.kind == REPLICATE]
+          "split %r asks for device_count=%d but the job has %d device(s); lower "
+          "device_count or launch more workers / --gpu_per_worker" % (spec.name, k, total))
+    return Split(k)
+  k = spec.device_count or 1
+  if k > total:
+    raise PlanError(
+        "%s %r asks for device_count=%d but the job has %d device(s); lower device_count or "
+        "launch more workers / --gpu_per_worker %d" % (spec.kind, spec.name, k, total, k))
+  return Replicate(k)
+
+
+def _refuse_combinations(specs, placements, config, cluster):
+  """PlanError / NotImplementedYetError for the feature combinations not built."""
+  has_split = any(p.kind == SPLIT for p in placements)
+  counts = [p.devices for p in placements if p.kind == REPLICATE]
   if len(set(counts)) > 1:
-    mixed = ", ".join("%s=%d" % (s.name, p.devices) for s, p in zip(specs, out)
+    mixed = ", ".join("%s=%d" % (s.name, p.devices) for s, p in zip(specs, placements)
                       if p.kind == REPLICATE)
     if any(max(counts) % k for k in counts):
       raise PlanError(
@@ -222,9 +246,16 @@ def _placements(specs, config, cluster):
     raise NotImplementedYetError(
         "pipeline.num_micro_batch > 1 with epl.split is not implemented yet in epl; use "
         "num_micro_batch 1 with a split TaskGraph")
-  colocate = config.cluster.colocate_split_and_replicate and has_split
-  per_replica = _replica_devices(out, colocate)
-  detail = " + ".join("%s: %d" % (s.name, p.devices) for s, p in zip(specs, out))
+
+
+def _check_fit(specs, placements, config, cluster):
+  """PlanError unless the job's devices are a whole number of model replicas."""
+  devices_here = cluster.gpu_num_per_worker
+  total = devices_here * cluster.worker_num
+  colocate = config.cluster.colocate_split_and_replicate and any(
+      p.kind == SPLIT for p in placements)
+  per_replica = _replica_devices(placements, colocate)
+  detail = " + ".join("%s: %d" % (s.name, p.devices) for s, p in zip(specs, placements))
   if colocate:
     detail = "the largest of " + detail.replace(" + ", ", ")
   if per_replica <= devices_here and devices_here % per_replica:
@@ -236,7 +267,6 @@ def _placements(specs, config, cluster):
     raise PlanError(
         "one model replica needs %d device(s) (%s): more than a worker's %d, and the job's %d "
         "device(s) are not a multiple of it" % (per_replica, detail, devices_here, total))
-  return out
 
 
 def _layout(placements, colocate, cluster):

@@ -50,6 +50,34 @@ def draw(plan, path):
   width, height = size_inches(plan)
   fig, ax = plt.subplots(figsize=(width, height))
   centre = {d: (1.2 + 2.4 * col, -1.6 * row) for d, (row, col) in where.items()}
+  labels = _labels(plan)
+  for d, (x, y) in centre.items():
+    tg = labels[d][0][0]
+    ax.add_patch(plt.Rectangle((x - 1.05, y - 0.55), 2.1, 1.1, facecolor=COLOURS[tg % 7],
+                               alpha=0.35, edgecolor="black"))
+    short = d.rsplit("/device:", 1)[-1]
+    ax.text(x, y + 0.38, short, ha="center", va="center", fontsize=8, weight="bold")
+    ax.text(x, y - 0.08, "\n".join(text for _, text in labels[d][:4]), ha="center",
+            va="center", fontsize=7)
+  _draw_groups(ax, plan, centre)
+  _draw_handoffs(ax, plan, centre)
+  for w in range(workers):
+    ax.text(-0.3, -1.6 * w, "worker %d" % w, ha="right", va="center", fontsize=9)
+  ax.set_xlim(-1.5, 2.4 * per_worker + 0.1)
+  ax.set_ylim(-1.6 * workers + 0.6, 0.9)
+  ax.axis("off")
+  ax.set_title("%d copies, %d micro-batch(es)%s" % (
+      plan.total_copies, plan.micro_batches,
+      ", %s" % plan.pipeline_strategy if plan.num_micro_batch > 1 else ""), fontsize=9)
+  if any(len(plan.group_of(t.index)) > 1 for t in plan.taskgraphs):
+    ax.legend(loc="lower right", fontsize=7, frameon=False)
+  fig.savefig(path, dpi=DPI)
+  plt.close(fig)
+  return round(width * DPI), round(height * DPI)
+
+
+def _labels(plan):
+  """{device: [(TaskGraph, what it holds there)]}."""
   labels = {}
   for i, copy in enumerate(plan.copies):
     for t, devices in enumerate(copy.devices):
@@ -63,15 +91,12 @@ def draw(plan, path):
         continue
       for d in devices:
         labels.setdefault(d, []).append((t, "%s · copy %d" % (plan.taskgraphs[t].name, i)))
-  for d, (x, y) in centre.items():
-    tg = labels[d][0][0]
-    ax.add_patch(plt.Rectangle((x - 1.05, y - 0.55), 2.1, 1.1, facecolor=COLOURS[tg % 7],
-                               alpha=0.35, edgecolor="black"))
-    short = d.rsplit("/device:", 1)[-1]
-    ax.text(x, y + 0.38, short, ha="center", va="center", fontsize=8, weight="bold")
-    ax.text(x, y - 0.08, "\n".join(text for _, text in labels[d][:4]), ha="center",
-            va="center", fontsize=7)
-  for t in plan.taskgraphs:                       # gradient all-reduce groups
+  return labels
+
+
+def _draw_groups(ax, plan, centre):
+  """The gradient all-reduce groups: a dashed line through each group's devices."""
+  for t in plan.taskgraphs:
     parts = range(t.placement.devices) if plan.is_split(t.index) else [0]
     for part in parts:
       group = plan.group_of(t.index, part)
@@ -80,7 +105,11 @@ def draw(plan, path):
         ax.plot(xs, [y - 0.42 + 0.09 * (t.index % 4) for y in ys], "--",
                 color=COLOURS[t.index % 7], linewidth=1.5,
                 label="all-reduce %s" % t.name if part == 0 else None)
-  for copy in plan.copies:                        # pipeline hand-offs inside a copy
+
+
+def _draw_handoffs(ax, plan, centre):
+  """The pipeline hand-offs inside a copy: an arrow from each stage's device to the next's."""
+  for copy in plan.copies:
     if any(plan.is_split(t) for t in range(len(copy.devices))):
       continue                                    # split boundaries: gathers / scatters
     for a, b in zip(copy.devices, copy.devices[1:]):
@@ -89,19 +118,6 @@ def draw(plan, path):
         ax.annotate("", xy=(x1 - 1.05 if x1 > x0 else x1, y1),
                     xytext=(x0 + 1.05 if x1 > x0 else x0, y0),
                     arrowprops=dict(arrowstyle="->", color="gray"))
-  for w in range(workers):
-    ax.text(-0.3, -1.6 * w, "worker %d" % w, ha="right", va="center", fontsize=9)
-  ax.set_xlim(-1.5, 2.4 * per_worker + 0.1)
-  ax.set_ylim(-1.6 * workers + 0.6, 0.9)
-  ax.axis("off")
-  ax.set_title("%d copies, %d micro-batch(es)%s" % (
-      plan.total_copies, plan.num_micro_batch,
-      ", %s" % plan.pipeline_strategy if plan.num_micro_batch > 1 else ""), fontsize=9)
-  if any(len(plan.group_of(t.index)) > 1 for t in plan.taskgraphs):
-    ax.legend(loc="lower right", fontsize=7, frameon=False)
-  fig.savefig(path, dpi=DPI)
-  plt.close(fig)
-  return round(width * DPI), round(height * DPI)
 
 
 def main(argv=None):

@@ -167,53 +167,18 @@ def meet_peers(server, cluster, job_id, timeout, clock=time.time, pause=0.5):
   reads = {}                                   # peer -> (its graph, the read of its id)
   for w in range(cluster.worker_num):
     if w != me:
-      reads[w] = tf.Graph()
-      with reads[w].as_default():
-        reads[w] = (reads[w], tf.identity(_job_id_variable(w)))
+      graph = tf.Graph()
+      with graph.as_default():
+        reads[w] = (graph, tf.identity(_job_id_variable(w)))
   deadline = clock() + timeout
-  waiting = {}                                  # peer -> why it is not confirmed yet
-  for w in reads:
-    waiting[w] = "not started"
+  waiting = {w: "not started" for w in reads}   # peer -> why it is not confirmed yet
   while waiting:
     for w in sorted(waiting):
-      address = cluster.worker_hosts[w]
-      if not faults.reachable(address, timeout=1.0):     # TF's session creation would wait
-        waiting[w] = "does not answer"
-        continue
-      try:
-        peer_graph, read = reads[w]
-        with tf.Session(server.target, graph=peer_graph,
-                        config=_probe_config(server, cluster, w)) as sess:
-          value = sess.run(read, options=tf.RunOptions(timeout_in_ms=_PEER_READ_MS))
-      except tf.errors.InvalidArgumentError as e:
-        if _UNKNOWN_DEVICE not in str(e):
-          raise
-        raise StartupError(
-            "worker %d of job %s: %s, given for worker %d, is a TensorFlow server of another "
-            "job (it is not task %d of %d workers). Check TF_CONFIG / --machine_list: every "
-            "worker of a job must get the same list" % (me, job_id, address, w, w,
-                                                        cluster.worker_num)) from None
-      except tf.errors.FailedPreconditionError:
-        waiting[w] = "started its server, not yet epl"
-        continue
-      except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-              tf.errors.AbortedError, tf.errors.CancelledError, tf.errors.InternalError):
-        waiting[w] = "does not answer"
-        continue
-      their_job, their_index, phase = (value.decode("utf-8", "replace").rsplit("|", 2) +
-                                       ["", ""])[:3]
-      if their_job == job_id and their_index == str(w) and phase == RUNNING:
-        # past the barrier while this worker has not met it: a run of the job's previous
-        # start, which ends as soon as it notices the restart (its peers are gone)
-        waiting[w] = "still runs the job's previous start"
-        continue
-      if their_job != job_id or their_index != str(w):
-        raise StartupError(
-            "worker %d of job %s: %s, given for worker %d, is worker %s of job %s. Two jobs "
-            "were given each other's addresses: check TF_CONFIG / --machine_list (or set the "
-            "same launch.job_id / --job_id on every worker of one job)" % (
-                me, job_id, address, w, their_index, their_job))
-      del waiting[w]
+      why = _peer_state(server, cluster, job_id, w, reads[w])
+      if why is None:
+        del waiting[w]
+      else:
+        waiting[w] = why
     if waiting and clock() > deadline:
       raise StartupError(
           "worker %d: not every one of the %d workers joined within %.0f s (%s). Check that "
@@ -224,6 +189,45 @@ def meet_peers(server, cluster, job_id, timeout, clock=time.time, pause=0.5):
     if waiting:
       time.sleep(pause)
   log.debug("every peer is a worker of job %s", job_id)
+
+
+def _peer_state(server, cluster, job_id, w, read):
+  """None when worker ``w`` published ``job_id`` and has not passed the barrier, else why it
+  is not confirmed yet; raises StartupError when its address is another job's."""
+  me, address = cluster.worker_index, cluster.worker_hosts[w]
+  if not faults.reachable(address, timeout=1.0):     # TF's session creation would wait
+    return "does not answer"
+  try:
+    peer_graph, tensor = read
+    with tf.Session(server.target, graph=peer_graph,
+                    config=_probe_config(server, cluster, w)) as sess:
+      value = sess.run(tensor, options=tf.RunOptions(timeout_in_ms=_PEER_READ_MS))
+  except tf.errors.InvalidArgumentError as e:
+    if _UNKNOWN_DEVICE not in str(e):
+      raise
+    raise StartupError(
+        "worker %d of job %s: %s, given for worker %d, is a TensorFlow server of another "
+        "job (it is not task %d of %d workers). Check TF_CONFIG / --machine_list: every "
+        "worker of a job must get the same list" % (me, job_id, address, w, w,
+                                                    cluster.worker_num)) from None
+  except tf.errors.FailedPreconditionError:
+    return "started its server, not yet epl"
+  except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+          tf.errors.AbortedError, tf.errors.CancelledError, tf.errors.InternalError):
+    return "does not answer"
+  their_job, their_index, phase = (value.decode("utf-8", "replace").rsplit("|", 2) +
+                                   ["", ""])[:3]
+  if their_job == job_id and their_index == str(w) and phase == RUNNING:
+    # past the barrier while this worker has not met it: a run of the job's previous
+    # start, which ends as soon as it notices the restart (its peers are gone)
+    return "still runs the job's previous start"
+  if their_job != job_id or their_index != str(w):
+    raise StartupError(
+        "worker %d of job %s: %s, given for worker %d, is worker %s of job %s. Two jobs "
+        "were given each other's addresses: check TF_CONFIG / --machine_list (or set the "
+        "same launch.job_id / --job_id on every worker of one job)" % (
+            me, job_id, address, w, their_index, their_job))
+  return None
 
 
 _barriers = [0]

@@ -49,6 +49,31 @@ def _make_optimizer(name, lr):
   raise ValueError(name)
 
 
+def _inputs(data, batch, feed):
+  """(x, y): placeholders (``feed``) or a repeated dataset's batches of ``data``."""
+  features, labels = data
+  if feed:
+    x = tf.placeholder(tf.float32, [None] + list(features.shape[1:]), name="x")
+    y = tf.placeholder(tf.as_dtype(labels.dtype), [None] + list(labels.shape[1:]), name="y")
+    return x, y
+  ds = tf.data.Dataset.from_tensor_slices((features, labels)).batch(batch)
+  return tf.data.make_one_shot_iterator(ds.repeat()).get_next()
+
+
+def _train_ops(loss, optimizer, lr, alternate):
+  """One train op (with global_step), or two for ``alternate`` steps (see run_model)."""
+  global_step = tf.train.get_or_create_global_step()
+  with tf.control_dependencies(tf.get_collection(tf.GraphKeys.UPDATE_OPS)):
+    if not alternate:
+      return [_make_optimizer(optimizer, lr).minimize(loss, global_step=global_step)]
+    trained = tf.trainable_variables()
+    first = [v for v in trained if v.op.name.split("/")[0] == trained[0].op.name.split("/")[0]]
+    return [
+        _make_optimizer(optimizer, lr).minimize(loss, global_step=global_step, var_list=first),
+        _make_optimizer(optimizer, lr).minimize(
+            loss, var_list=[v for v in trained if v not in first])]
+
+
 def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimizer="momentum",
               lr=0.01, initial=None, seed=7, feed=False, default_strategy=None,
               fetch_loss=True, every_step=False, alternate=False):
@@ -75,27 +100,10 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
       epl.init(config)
       if default_strategy is not None:
         epl.set_default_strategy(default_strategy())
-    features, labels = data
-    if feed:
-      x = tf.placeholder(tf.float32, [None] + list(features.shape[1:]), name="x")
-      y = tf.placeholder(tf.as_dtype(labels.dtype), [None] + list(labels.shape[1:]), name="y")
-    else:
-      ds = tf.data.Dataset.from_tensor_slices((features, labels)).batch(batch)
-      x, y = tf.data.make_one_shot_iterator(ds.repeat()).get_next()
+    x, y = _inputs(data, batch, feed)
     stages = Stages(strategies if config is not None else None)
     loss = model_fn(x, y, stages)
-    global_step = tf.train.get_or_create_global_step()
-    update_ops = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
-    with tf.control_dependencies(update_ops):
-      if alternate:
-        trained = tf.trainable_variables()
-        first = [v for v in trained if v.op.name.split("/")[0] == trained[0].op.name.split("/")[0]]
-        train_ops = [
-            _make_optimizer(optimizer, lr).minimize(loss, global_step=global_step, var_list=first),
-            _make_optimizer(optimizer, lr).minimize(
-                loss, var_list=[v for v in trained if v not in first])]
-      else:
-        train_ops = [_make_optimizer(optimizer, lr).minimize(loss, global_step=global_step)]
+    train_ops = _train_ops(loss, optimizer, lr, alternate)
     variables = tf.global_variables()
     init = tf.global_variables_initializer()
     with tf.Session() as sess:
@@ -105,12 +113,12 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
                     lambda v: initial[v.op.name])
       start = read_values(sess, variables)
       losses, trajectory = [], [] if every_step else None
+      features, labels = data
       for step in range(steps):
+        fd = None
         if feed:
           lo = step * batch % len(features)
           fd = {x: features[lo:lo + batch], y: labels[lo:lo + batch]}
-        else:
-          fd = None
         train_op = train_ops[step % len(train_ops)]
         if not fetch_loss:
           sess.run(train_op, fd)
