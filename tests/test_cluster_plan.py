@@ -47,13 +47,19 @@ def test_bad_tf_config(conf, message):
 
 
 def test_plan_json_round_trip_and_worker_views():
-  tg = TaskGraphPlan(0, "stage_0", Replicate(1), "x.py:3",
-                     {"forward": ("a", "b"), "backward": ("c",), "apply": ()})
+  tg = TaskGraphPlan(index=0, name="stage_0", placement=Replicate(1), location="x.py:3",
+                     ops={"forward": ("a", "b"), "backward": ("c",), "apply": ()})
   w = "/job:worker/replica:0/task:%d/device:CPU:%d"
-  copies = tuple(Copy(r, 0, r // 2, ((w % (r // 2, r % 2 + 1),),)) for r in range(4))
-  plan = ParallelPlan((tg,), copies, 1, 2, "PreferBackward", (("F0", "F1", "B0", "B1"),),
-                      (w % (0, 0), w % (1, 0)), (Gradient("v", ("g:0",), ("g:0",)),), ("step",),
-                      Communication("sum", 3, True, False, 60))
+  copies = tuple(Copy(replica=r, shard=0, client=r // 2, devices=((w % (r // 2, r % 2 + 1),),))
+                 for r in range(4))
+  plan = ParallelPlan(
+      taskgraphs=(tg,), copies=copies, shards=1, num_micro_batch=2,
+      pipeline_strategy="PreferBackward", schedule=(("F0", "F1", "B0", "B1"),),
+      hosts=(w % (0, 0), w % (1, 0)),
+      gradients=(Gradient(variable="v", tensors=("g:0",), applied=("g:0",)),),
+      shared_variables=("step",),
+      communication=Communication(reduce_method="sum", max_splits=3, sparse_as_dense=True,
+                                  clip_after_allreduce=False, timeout=60))
   again = ParallelPlan.from_json(plan.to_json())
   assert again == plan
   assert "copy 3 (replica 3, shard 0, worker 1): %s" % (w % (1, 2)) in str(again)

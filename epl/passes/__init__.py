@@ -14,6 +14,7 @@ pass is one module plus one line here.
   recompute      backward recomputes forward segments from checkpoints (gradient_checkpoint)
   step_reads     updates wait for every read of their variable in the step; reads of a shared
                  variable (global_step) see one value in every copy and micro-batch
+  owners         which copy owns each trained variable's optimizer state (zero.level)
   gradient_sync  accumulate micro-batch gradients (over clones, or over session runs:
                  run_sums), all-reduce them across copies, rewire the optimizer's apply ops
   zero           each copy keeps and updates the optimizer state of its share (zero.level v0)
@@ -26,11 +27,12 @@ from epl.passes.bridge import bridge
 from epl.passes.grad_sync import gradient_sync
 from epl.passes.micro_batch import micro_batch
 from epl.passes.offload import offload
+from epl.passes.owners import owners
 from epl.passes.recompute import recompute
 from epl.passes.replicate import replicate
 from epl.passes.schedule import schedule
 from epl.passes.step_reads import step_reads
 from epl.passes.zero import zero
 
-PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, step_reads, gradient_sync,
-          zero, offload, apply_groups)
+PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, step_reads, owners,
+          gradient_sync, zero, offload, apply_groups)

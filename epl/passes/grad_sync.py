@@ -38,7 +38,6 @@ from epl.passes.clone import rewire
 from epl.passes.grad_stream import stream, streamable
 from epl.passes.run_sums import RunSums
 from epl.passes.slots import train_groups
-from epl.passes.zero import assign_owners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +117,9 @@ def _reduce(ctx, items, report):
   # zero.level v1: each gradient is summed where its owner is, the only copy whose update
   # reads it -- inside one worker on the owner's device, across workers by a reduce-scatter
   # (v2 across workers too: the owner's is the only copy that holds the variable)
-  across_v2 = plan.memory.zero == "v2" and len(plan.clients) > 1
-  owners = assign_owners(ctx)[0] if plan.memory.zero == "v1" or across_v2 else {}
+  across_v2 = plan.memory.zero.partitions_weights and len(plan.clients) > 1
+  owners = ctx.result("owners").owners if plan.memory.zero.partitions_gradients or across_v2 \
+      else {}
   scatter = bool(owners) and len(plan.clients) > 1
   train = _train_ops(ctx, items)
   for item in items:
@@ -271,7 +271,8 @@ def _scatter_to_owners(ctx, tg, part, items, owners, report):
           i.size for i in owned)])[:len(owned)]
     for item, piece in zip(owned, pieces):
       # v2: copy 0's update (moved to the owner's device by the zero pass) is the one
-      index = 0 if plan.memory.zero == "v2" else copies.index(local[owners[item.variable]])
+      index = 0 if plan.memory.zero.partitions_weights else \
+          copies.index(local[owners[item.variable]])
       new = list(item.first)
       new[index] = tf.reshape(piece, item.first[index].shape)
       rewire_all(ctx.clones(), item, new)

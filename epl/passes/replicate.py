@@ -143,7 +143,7 @@ def _synced(plan, mirrored):
     return mirrored
   trained = {g.variable for g in plan.gradients}
   partitioned = set(slots(mirrored, trained))
-  if plan.memory.zero == "v2":
+  if plan.memory.zero.partitions_weights:
     partitioned |= trained
   return {k: v for k, v in mirrored.items() if k not in partitioned}
 

@@ -31,12 +31,12 @@ updates ran (zero_v2.py). Returns ``Zero``.
 import dataclasses
 from typing import Dict, Tuple
 
-import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.op_tables import VARIABLE_OPS
-from epl.passes.slots import owner_of, slots, written
+from epl.plan.plan import ZeroLevel
+from epl.passes.slots import slots
 from epl.passes.zero_v2 import (CHECKPOINT_OPS, bucket, partition_across, partition_weights,
                                 read_var, replace_update)
 
@@ -45,18 +45,12 @@ from epl.passes.zero_v2 import (CHECKPOINT_OPS, bucket, partition_across, partit
 class Zero:
   owners: Dict[str, int] = dataclasses.field(default_factory=dict)  # variable -> owner copy
   slots: Tuple[str, ...] = ()                                       # partitioned slots
-  level: str = ""
+  level: ZeroLevel = ZeroLevel.OFF
 
   def __str__(self):
     return "Zero(%s: %d variables over their owners, %d slots partitioned%s)" % (
         self.level, len(self.owners), len(self.slots),
-        ", weights too" if self.level == "v2" else "")
-
-
-def _size(var_op):
-  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
-      tf.TensorShape(var_op.get_attr("shape"))
-  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
+        ", weights too" if self.level.partitions_weights else "")
 
 
 def _assign(var_op, value):
@@ -77,33 +71,10 @@ def _stand_in(graph, slot, device):
     return tf.raw_ops.VariableV2(shape=shape, dtype=dtype.base_dtype).op
 
 
-def assign_owners(ctx):
-  """({trained variable: owner copy, job-wide}, {trained variable: its update ops (copy 0)}):
-  per TaskGraph (a stage's devices), largest variable first, each to the lightest copy.
-  Deterministic: every worker, and the gradient sync (zero.level v1), find the same."""
-  graph, job = ctx.graph, ctx.plan.copies
-  get = graph.get_operation_by_name
-  trained = sorted({g.variable for g in ctx.plan.gradients})
-  step = ctx.result("analyze").cloned_set
-  apply_ops = [op for op, phase in ctx.phase.items() if phase == "apply" and op in step]
-  updates = {}
-  for op in sorted(apply_ops, key=compat.op_id):
-    var = written(op)
-    if var is not None and owner_of(var.name, trained) is not None:
-      updates.setdefault(owner_of(var.name, trained), []).append(op)
-  loads, owners = {}, {}
-  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
-    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
-    k = stage.index(min(stage))
-    owners[name] = k
-    stage[k] += _size(get(name))
-  return owners, updates
-
-
 def zero(ctx):
   """Runs the pass; see the module docstring."""
   level = ctx.plan.memory.zero
-  if level not in ("v0", "v1", "v2"):
+  if not level.partitions_slots:
     return Zero()
   graph, worker, plan = ctx.graph, ctx.worker, ctx.plan
   job = plan.copies
@@ -114,12 +85,12 @@ def zero(ctx):
   get = graph.get_operation_by_name
   mirrored = ctx.result("replicate").mirrored
   partitioned = slots(mirrored, sorted({g.variable for g in plan.gradients}))
-  owners, updates = assign_owners(ctx)
+  owners, updates = ctx.result("owners").resolve(graph)
   colocated = {}
   for op in graph.get_operations():
     for group in op.colocation_groups():
       colocated.setdefault(group.decode()[len("loc:@"):], []).append(op)
-  if level == "v2":
+  if level.partitions_weights:
     if len(plan.clients) > 1:
       partition_across(ctx, owners, updates, partitioned, colocated, local)
     else:

@@ -14,15 +14,17 @@ from epl.plan import split as split_facts
 from epl.plan.attribution import attribute_ops
 from epl.plan.placement import Replicate, Split
 from epl.plan.plan import (PHASES, Communication, Copy, Gradient, Memory, ParallelPlan,
-                           TaskGraphPlan)
+                           TaskGraphPlan, ZeroLevel)
 from epl.plan.schedule import make_schedule
 
 
 def communication(config):
   c = config.communication
-  return Communication(c.gradients_reduce_method, c.max_splits, c.sparse_as_dense,
-                       c.clip_after_allreduce, c.collective_timeout, c.num_communicators,
-                       c.fp16, c.fp16_scale)
+  return Communication(reduce_method=c.gradients_reduce_method, max_splits=c.max_splits,
+                       sparse_as_dense=c.sparse_as_dense,
+                       clip_after_allreduce=c.clip_after_allreduce,
+                       timeout=c.collective_timeout, num_communicators=c.num_communicators,
+                       fp16=c.fp16, fp16_scale=c.fp16_scale)
 
 
 def _memory(graph, config):
@@ -36,8 +38,9 @@ def _memory(graph, config):
           "gradient_checkpoint.type is 'collection' but the graph's \"checkpoints\" collection "
           "holds no tensor; add the tensors to keep with tf.add_to_collection(\"checkpoints\", "
           "tensor), or use gradient_checkpoint.type 'auto'")
-  return Memory(config.offload.level, config.optimizer.num_apply_group, gc.type,
-                gc.end_taskgraph, names, gc.check_gradients, config.zero.level)
+  return Memory(offload=config.offload.level, num_apply_group=config.optimizer.num_apply_group,
+                gradient_checkpoint=gc.type, checkpoint_end_taskgraph=gc.end_taskgraph,
+                checkpoints=names, check_gradients=gc.check_gradients, zero=config.zero.level)
 
 
 def _unannotated_keys(config, cluster):
@@ -79,7 +82,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   if not recorder.specs:
     keys = _unannotated_keys(config, cluster)
     if not keys:
-      return ParallelPlan((), (), 1, schedule=(), **common)
+      return ParallelPlan(taskgraphs=(), copies=(), shards=1, schedule=(), **common)
     # the keys act on the one model copy the local script is: the whole graph as a
     # replicate(1) TaskGraph on one device
     recorder = recorder.whole_graph("the whole model (no epl annotation; %s)" % ", ".join(keys),
@@ -89,8 +92,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   specs, owner, phase, ops, rank = _attribute(graph, recorder, upto)
   placements = _placements(specs, config, cluster)
   phases = _phases(owner, phase, len(specs))
-  tgs = tuple(TaskGraphPlan(i, s.name, placements[i], s.location, phases[i])
-              for i, s in enumerate(specs))
+  tgs = tuple(TaskGraphPlan(index=i, name=s.name, placement=placements[i], location=s.location,
+                            ops=phases[i]) for i, s in enumerate(specs))
   parts, crossings = _split_facts(ops, rank, owner, phase, recorder, specs, placements)
   copies = _layout(placements, config.cluster.colocate_split_and_replicate, cluster)
   runs = _accumulate_runs(config, placements, micro)
@@ -99,7 +102,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
     micro = 1
   schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
   return ParallelPlan(
-      tgs, copies, _shards(placements),
+      taskgraphs=tgs, copies=copies, shards=_shards(placements),
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
       gradients=_gradients(recorder), shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
@@ -155,7 +158,7 @@ def _accumulate_runs(config, placements, micro):
         len(placements))
   elif placements and placements[0].kind != REPLICATE:
     why = "its TaskGraph is split"
-  elif config.zero.level == "v2":
+  elif ZeroLevel(config.zero.level).partitions_weights:
     why = "zero.level v2 reduces every micro-batch's gradient to its owner"
   elif setting == "auto" and (config.zero.level or config.offload.level):
     # runs keep a gradient-sized sum per copy between runs, on the device: what ZeRO and
@@ -290,7 +293,7 @@ def _layout(placements, colocate, cluster):
     group = every_device[base:base + per_replica]
     shards = _shards(placements)
     for j in range(shards):          # copy j of a narrower TaskGraph: that of its run's rows
-      copies.append(Copy(r, j, base // devices_here, tuple(
+      copies.append(Copy(replica=r, shard=j, client=base // devices_here, devices=tuple(
           tuple(group[o:o + p.devices]) if p.kind == SPLIT else
           (group[o + j // (shards // p.devices)],) for p, o in zip(placements, offsets))))
   return tuple(copies)
@@ -308,9 +311,10 @@ def _gradients(recorder):
     key = (var_op.name, _tensor_names(grad))
     if key not in seen:
       seen.add(key)
-      out.append(Gradient(key[0], key[1], applied.get(key[0], ())))
+      out.append(Gradient(variable=key[0], tensors=key[1], applied=applied.get(key[0], ())))
   computed = {g.variable for g in out}
-  out.extend(Gradient(name, names, names) for name, names in applied.items()
+  out.extend(Gradient(variable=name, tensors=names, applied=names)
+             for name, names in applied.items()
              if name not in computed)
   return tuple(out)
 

@@ -13,6 +13,7 @@ Example:
   >>> print(plan)                       # a few lines per TaskGraph
 """
 import dataclasses
+import enum
 import functools
 import json
 from typing import Dict, Mapping, Tuple
@@ -23,7 +24,7 @@ from epl.plan.placement import Placement, placement_from_dict
 PHASES = ("forward", "backward", "apply")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskGraphPlan:
   """One TaskGraph: its placement and the ops it owns (by phase, names of the user's graph)."""
   index: int
@@ -40,7 +41,7 @@ class TaskGraphPlan:
     return "TaskGraph %d %r: %s [%s]" % (self.index, self.name, self.placement, counts)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Copy:
   """One model copy: shard ``shard`` of replica ``replica``, driven by worker ``client``.
 
@@ -53,7 +54,7 @@ class Copy:
   devices: Tuple[Tuple[str, ...], ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Gradient:
   """A gradient the user's step computes for a variable (tensor names of the user's graph).
 
@@ -69,7 +70,7 @@ class Gradient:
     return len(self.tensors) == 3
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Crossing:
   """A tensor of the user's graph that flows between a replicated and a split TaskGraph, or
   between replicated TaskGraphs with different device counts (``gather``: into the one on
@@ -98,7 +99,7 @@ class Crossing:
         "whole", ", gradient" if self.backward else "", "" if self.gather else ", out")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Communication:
   """How gradients and merged fetches travel (``communication.*`` keys)."""
   reduce_method: str = "mean"
@@ -111,7 +112,37 @@ class Communication:
   fp16_scale: int = 128         # ... multiplied by this first
 
 
-@dataclasses.dataclass(frozen=True)
+class ZeroLevel(enum.StrEnum):
+  """``zero.level`` as a typed value; the passes ask what it partitions, never its name.
+
+  Each level keeps what the one before it partitions: v0 the optimizer slots (each copy
+  updates its share of the variables, the others take the updated values), v1 also the
+  gradient sums (each summed only where its owner is), v2 also the weights themselves."""
+  OFF = ""
+  V0 = "v0"
+  V1 = "v1"
+  V2 = "v2"
+
+  def __bool__(self):
+    return self is not ZeroLevel.OFF
+
+  @property
+  def partitions_slots(self):
+    """Variables have owners; a copy keeps and updates only its share's optimizer slots."""
+    return bool(self)
+
+  @property
+  def partitions_gradients(self):
+    """A gradient is summed only at its owner (inside a worker: on its device)."""
+    return self is ZeroLevel.V1
+
+  @property
+  def partitions_weights(self):
+    """The trained variables exist once, on their owner's device."""
+    return self is ZeroLevel.V2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
   """Where weights live and how the update runs (``offload.*``, ``optimizer.*`` keys)."""
   offload: str = ""             # "v0": weights, slots and their update on the host
@@ -120,10 +151,13 @@ class Memory:
   checkpoint_end_taskgraph: int = -1        # last TaskGraph GC applies to (-1: all)
   checkpoints: Tuple[str, ...] = ()         # the "checkpoints" collection, by tensor name
   check_gradients: bool = False             # verify the recomputed tensors once
-  zero: str = ""                            # "v0": optimizer state partitioned over replicas
+  zero: ZeroLevel = ZeroLevel.OFF           # optimizer state partitioned over replicas
+
+  def __post_init__(self):
+    object.__setattr__(self, "zero", ZeroLevel(self.zero))     # a plan read back from JSON
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
   """The whole job's plan (see the module docstring).
 
@@ -221,14 +255,16 @@ class ParallelPlan:
   def from_json(cls, text):
     raw = json.loads(text)
     raw["taskgraphs"] = tuple(TaskGraphPlan(
-        t["index"], t["name"], placement_from_dict(t["placement"]), t["location"],
-        {p: tuple(n) for p, n in sorted(t["ops"].items())}) for t in raw["taskgraphs"])
-    raw["copies"] = tuple(Copy(c["replica"], c["shard"], c["client"],
-                               tuple(tuple(d) for d in c["devices"])) for c in raw["copies"])
+        index=t["index"], name=t["name"], placement=placement_from_dict(t["placement"]),
+        location=t["location"], ops={p: tuple(n) for p, n in sorted(t["ops"].items())})
+        for t in raw["taskgraphs"])
+    raw["copies"] = tuple(Copy(replica=c["replica"], shard=c["shard"], client=c["client"],
+                               devices=tuple(tuple(d) for d in c["devices"]))
+                          for c in raw["copies"])
     raw["schedule"] = tuple(tuple(s) for s in raw["schedule"])
     raw["hosts"] = tuple(raw["hosts"])
-    raw["gradients"] = tuple(Gradient(g["variable"], tuple(g["tensors"]), tuple(g["applied"]))
-                             for g in raw["gradients"])
+    raw["gradients"] = tuple(Gradient(variable=g["variable"], tensors=tuple(g["tensors"]),
+                                      applied=tuple(g["applied"])) for g in raw["gradients"])
     raw["shared_variables"] = tuple(raw["shared_variables"])
     raw["communication"] = Communication(**raw["communication"])
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])

@@ -151,9 +151,10 @@ def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
           bridge(placements[src], placements[dst], layout).forward
       gather = kinds[dst] == "split" or (
           kinds[src] == "replicate" and placements[dst].devices < placements[src].devices)
-      out.append(Crossing(t.name, op.name, src, dst, gather,
-                          axis is not None or batch_major(t, inputs, within), backward,
-                          axis or 0, carrier))
+      out.append(Crossing(tensor=t.name, consumer=op.name, source=src, destination=dst,
+                          gather=gather,
+                          batch_major=axis is not None or batch_major(t, inputs, within),
+                          backward=backward, axis=axis or 0, collective=carrier))
   return tuple(out)
 
 

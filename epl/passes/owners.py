@@ -1,0 +1,64 @@
+"""Owners pass (``zero.level``): which copy owns each trained variable -- keeps and updates
+its optimizer state (and with v2 the variable itself) -- computed once, before the gradient
+sync (v1 sums a gradient at its owner) and the zero pass read it.
+
+Per TaskGraph (a stage's devices), largest variable first, each to the lightest copy of the
+job. Deterministic: every worker finds the same. Returns ``Owners``.
+"""
+import dataclasses
+from typing import Dict, Tuple
+
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from epl import _tf_compat as compat
+from epl.passes.slots import owner_of, written
+
+
+@dataclasses.dataclass(frozen=True)
+class Owners:
+  owners: Dict[str, int] = dataclasses.field(default_factory=dict)   # variable -> copy (job)
+  updates: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)  # its apply ops
+
+  def resolve(self, graph):
+    """(owners, {variable: its update Operations (copy 0's)})."""
+    get = graph.get_operation_by_name
+    return dict(self.owners), {v: [get(n) for n in ops] for v, ops in self.updates.items()}
+
+  def __str__(self):
+    return "Owners(%d variables)" % len(self.owners)
+
+
+def owners(ctx):
+  """Runs the pass; see the module docstring."""
+  if not ctx.plan.memory.zero.partitions_slots or len(ctx.plan.copies) < 2:
+    return Owners()
+  found, updates = assign_owners(ctx)
+  return Owners(found, {v: tuple(op.name for op in ops) for v, ops in updates.items()})
+
+
+def assign_owners(ctx):
+  """({trained variable: owner copy, job-wide}, {trained variable: its update ops (copy 0)})."""
+  graph, job = ctx.graph, ctx.plan.copies
+  get = graph.get_operation_by_name
+  trained = sorted({g.variable for g in ctx.plan.gradients})
+  step = ctx.result("analyze").cloned_set
+  apply_ops = [op for op, phase in ctx.phase.items() if phase == "apply" and op in step]
+  updates = {}
+  for op in sorted(apply_ops, key=compat.op_id):
+    var = written(op)
+    if var is not None and owner_of(var.name, trained) is not None:
+      updates.setdefault(owner_of(var.name, trained), []).append(op)
+  loads, owners = {}, {}
+  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
+    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
+    k = stage.index(min(stage))
+    owners[name] = k
+    stage[k] += _size(get(name))
+  return owners, updates
+
+
+def _size(var_op):
+  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
+      tf.TensorShape(var_op.get_attr("shape"))
+  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
