@@ -220,7 +220,7 @@ def test_the_peer_watch_ends_only_a_long_step_that_waits_on_a_lost_peer():
 
 def test_every_step_gets_the_collective_deadline_and_keeps_the_users_options():
   import tensorflow.compat.v1 as tf
-  from epl.runtime.hooks import step_deadline
+  from epl.runtime.step import step_deadline
   assert step_deadline(None, 8).timeout_in_ms == 8000
   traced = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE, timeout_in_ms=60000)
   merged = step_deadline(traced, 8)

@@ -17,11 +17,9 @@ from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
 from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
-from epl.runtime import checkpoints, driver, faults, serve
-from epl.runtime.accumulation import AccumulationRuns
-from epl.runtime.feeds import ALL
-from epl.runtime.progress import Progress
+from epl.runtime import checkpoints, driver, serve
 from epl.runtime.session_config import session_config
+from epl.runtime.step import StepCall, StepChain
 
 log = logging.getLogger("epl")
 
@@ -31,18 +29,9 @@ class Dispatcher:
 
   def __init__(self, state):
     self.state = state
-    self.retried_steps = 0
-    self._plain = False
-    self._progress = None         # Progress once rewritten (worker 0, log.progress_secs > 0)
-    self._check = None            # (check op, its step detector) until the first step ran
-    self._peers = None            # faults.PeerWatch of a multi-worker job
-    self._trains = None           # its step detector: which runs train (the steps it counts)
-    self._ended = None            # serve.EndedPeers: what peers on other hosts left at exit
+    self._chain = None            # epl.runtime.step.StepChain once the graph is rewritten
     self._split_scopes = {}       # split TaskGraph index -> its SplitScope
     self._told = weakref.WeakSet()     # unmanaged graphs already checked
-    self._accumulation = None     # AccumulationRuns (graph.micro_batches "runs")
-    self._status = None           # a step detector until the first training step ran, when
-                                  # epl-launch wants to hear of it (launch.status_file)
 
   def manages(self, graph):
     return graph is self.state.graph
@@ -137,18 +126,12 @@ class Dispatcher:
   def _rewrite(self):
     state = self.state
     pg = driver.rewrite(state)
-    status_file = state.config.launch.status_file
-    if pg.worker.serve_only:
-      launch_status.report(status_file, launch_status.RUNNING, worker=state.cluster.worker_index)
-      serve.serve(state)
-    elif status_file:
-      self._status = Progress(pg, 0)
-    every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
-    if every and not pg.plan.is_local:
-      self._progress = Progress(pg, every, clients=len(pg.plan.clients))
-    recomputed = pg.results.get("recompute")
-    if recomputed is not None and recomputed.check_op is not None:
-      self._check = (recomputed.check_op, Progress(pg, 0))
+    if self._chain is None:
+      if pg.worker.serve_only:
+        launch_status.report(state.config.launch.status_file, launch_status.RUNNING,
+                             worker=state.cluster.worker_index)
+        serve.serve(state)
+      self._chain = StepChain(state, pg)
     return pg
 
   def session_args(self, graph, target, config):
@@ -167,106 +150,11 @@ class Dispatcher:
     return target, session_config(state.cluster, plan, state.config, config, remote)
 
   def run(self, session, original, fetches, feed_dict, options, run_metadata):
-    if self._status is not None and self._status.trains_fetches(session.graph, fetches):
-      self._status = None                                 # the first training step only
-      resumed = _global_step(session, original)
-      result = self.run(session, original, fetches, feed_dict, options, run_metadata)
-      launch_status.report(self.state.config.launch.status_file, launch_status.RUNNING,
-                           worker=self.state.cluster.worker_index, global_step=resumed)
-      return result
-    if self._check is not None and self._check[1].trains_fetches(session.graph, fetches):
-      check, self._check = self._check[0], None       # the first training step only
-      log.info("gradient_checkpoint.check_gradients: checking the recomputed tensors in this "
-               "step")
-      return self.run(session, original, (fetches, check), feed_dict, options,
-                      run_metadata)[0]
-    progress = self._progress
-    if progress is not None and progress.trains_fetches(session.graph, fetches):
-      # Rows come from the feeds, or from a scalar fetched in *every* step reading in-graph
-      # inputs (fetching it only in the reporting step would make TF compile the graph again)
-      report = progress.due()
-      rows = progress.fed_rows(feed_dict) if feed_dict else None
-      extra = progress.rows_tensor(session.graph, fetches) if rows is None else None
-      if extra is None:
-        result = self._step(session, original, fetches, feed_dict, options, run_metadata)
-      else:
-        result, rows = self._step(session, original, (fetches, extra), feed_dict, options,
-                                  run_metadata, sums=(extra,))
-      progress.step(rows, report)
-      return result
-    return self._step(session, original, fetches, feed_dict, options, run_metadata)
-
-  def _step(self, session, original, fetches, feed_dict, options, run_metadata, sums=()):
-    if self._plain:                       # one copy, one worker: the local script's step
-      return original(session, fetches, feed_dict, options, run_metadata)
-    state = self.state
-    pg = state.parallel if state.parallel is not None else self._rewrite()
-    plan = pg.plan
-    if plan.total_copies == 1 and plan.worker_num == 1 and state.fetch_mapper is None:
-      self._plain = True
-    if plan.total_copies > 1 or plan.worker_num > 1:
-      options = step_deadline(options, plan.communication.timeout)
-    if plan.worker_num == 1:
-      return self._run(pg, session, original, fetches, feed_dict, options, run_metadata, sums)
-    if self._peers is None:
-      self._ended = serve.EndedPeers(state)
-      self._peers = faults.PeerWatch(state.cluster, plan.communication.timeout,
-                                     beat=state.heartbeat,
-                                     status_file=state.config.launch.status_file,
-                                     ended_peers=self._ended)
-      self._trains = Progress(pg, 0)
-    self._peers.training = self._trains.trains_fetches(session.graph, fetches)
-
-    def one_run(*args, **kwargs):
-      """One TF run; a run TF rejects as a duplicate request runs again (nothing of it ran)."""
-      with self._peers:
-        return faults.with_reruns(lambda: original(*args, **kwargs), RERUNS, self._on_rerun)
-    try:
-      return self._run(pg, session, one_run, fetches, feed_dict, options, run_metadata, sums)
-    except (faults.LOST + (tf.errors.InternalError, tf.errors.FailedPreconditionError,
-                           tf.errors.NotFoundError)) as e:
-      if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
-        raise
-      if isinstance(e, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError)) and not (
-          state.heartbeat is not None and state.heartbeat.steps and
-          faults.cleared_from_outside(e)):
-        raise                              # the script's own error (before training, say)
-      error = faults.peer_error(e, state.cluster, plan.communication.timeout,
-                                state.config.launch.status_file, self._ended)
-      log.error("%s", error)
-      raise error from e
-
-  def _on_rerun(self, error, count):
-    self.retried_steps += 1
-    log.warning("TensorFlow rejected a step as a duplicate request (%s); running the same step "
-                "again (%d time(s) for this step, %d in this job)", faults.essence(error), count,
-                self.retried_steps)
-
-  def _run(self, pg, session, original, fetches, feed_dict, options, run_metadata, sums=()):
-    mapper, feeds = self.state.fetch_mapper, self.state.feeds
-    if mapper is None:
-      return original(session, fetches, feed_dict, options, run_metadata)
-    mode = feeds.mode(mapper.elements(fetches), feed_dict)
-    try:
-      if mode == ALL and pg.plan.accumulate_runs > 1:
-        if self._accumulation is None:
-          self._accumulation = AccumulationRuns(pg, mapper, feeds)
-        result, writes = self._accumulation.step(session, original, fetches, feed_dict,
-                                                 options, run_metadata, sums)
-      else:
-        mapped, writes = mapper.map(fetches, all_copies=mode == ALL)
-        result = original(session, mapped, feeds.split(feed_dict, mode), options, run_metadata)
-    except (tf.errors.InvalidArgumentError, tf.errors.OutOfRangeError) as e:
-      raise feeds.explain(e) from e
-    sync = pg.replication.sync_op
-    if writes and sync is not None:
-      original(session, sync, options=options)
-    return result
-
-
-# a run TF rejects as a duplicate request runs again at most this many times (each rejection
-# is a fresh draw: three in a row do not happen by chance)
-RERUNS = 3
+    """A Session.run on the managed graph: the rewrite first, then the step chain."""
+    if self._chain is None:
+      self._rewrite()
+    return self._chain.run(StepCall(session, original, fetches, feed_dict, options,
+                                    run_metadata))
 
 
 def _built_after_rewrite(phase):
@@ -281,17 +169,6 @@ def _built_after_rewrite(phase):
   log.warning("tf.gradients was called after the graph's first Session.run (when epl rewrote "
               "it): the new gradients are computed on model copy 0 and its first "
               "micro-batch only (as an evaluation op); build training ops before the first run")
-
-
-def _global_step(session, original):
-  """The value of the graph's global step (None when it has none or cannot be read)."""
-  step = tf.train.get_global_step(session.graph)
-  if step is None:
-    return None
-  try:
-    return int(original(session, step, None, None, None))
-  except (tf.errors.OpError, TypeError, ValueError):
-    return None
 
 
 def _rank_of(graph, op):
@@ -310,20 +187,3 @@ def variable_op_of(x):
       return None
     op = op.inputs[0].op
   return None
-
-
-def step_deadline(options, seconds):
-  """``options`` (a RunOptions or None) with ``timeout_in_ms`` at most ``seconds``.
-
-  The deadline is what turns a dead or stalled peer into an error: the collectives carry no
-  per-op timeout (TF would spend a thread per launch on it, see epl.collectives). A smaller
-  timeout the user asked for is kept.
-  """
-  limit = int(seconds * 1000)
-  if options is not None and 0 < options.timeout_in_ms <= limit:
-    return options
-  merged = tf.RunOptions()
-  if options is not None:
-    merged.CopyFrom(options)
-  merged.timeout_in_ms = limit
-  return merged
