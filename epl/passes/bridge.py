@@ -37,6 +37,7 @@ from typing import List, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
+from epl.plan.placement import Collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +190,9 @@ def _scatter(site, built, cache):
 
 
 # (collective of epl.plan.placement.TRANSITIONS, into the split part?) -> builder
-BUILDERS = {("all_gather", True): _gather, ("all_to_all", True): _gather,
-            ("reduce_scatter", False): _scatter, ("split_batch", False): _scatter,
-            ("all_to_all", False): _scatter}
+BUILDERS = {(Collective.ALL_GATHER, True): _gather, (Collective.ALL_TO_ALL, True): _gather,
+            (Collective.REDUCE_SCATTER, False): _scatter,
+            (Collective.SPLIT_BATCH, False): _scatter, (Collective.ALL_TO_ALL, False): _scatter}
 
 
 def _rows(clones, graph, crossings, sources, pair, members, m):

@@ -8,10 +8,12 @@ collective's adjoint). Split and MoE fill the Split rows; adding a transition is
 and one pass rule.
 
 Example:
-  >>> bridge(Replicate(1), Split(4))
-  Bridge(forward='all_gather', backward='reduce_scatter')
+  >>> b = bridge(Replicate(1), Split(4))
+  >>> str(b.forward), str(b.backward)
+  ('all_gather', 'reduce_scatter')
 """
 import dataclasses
+import enum
 from typing import ClassVar
 
 
@@ -43,10 +45,19 @@ def placement_from_dict(raw):
   return KINDS[raw["kind"]](devices=raw["devices"])
 
 
+class Collective(enum.StrEnum):
+  """What carries a tensor between two placements (epl.passes.bridge builds each)."""
+  SEND_RECV = "send_recv"            # TF's own send/recv: pipeline stages, nothing inserted
+  ALL_GATHER = "all_gather"          # the copies' rows concatenated (into a split part)
+  REDUCE_SCATTER = "reduce_scatter"  # the parts' gradients summed, each copy its rows
+  SPLIT_BATCH = "split_batch"        # each copy takes its rows of a whole value
+  ALL_TO_ALL = "all_to_all"          # rows <-> experts (MoE dispatch / combine)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bridge:
-  forward: str          # collective applied to activations entering the destination
-  backward: str         # what their gradients go through on the way back
+  forward: Collective   # applied to activations entering the destination
+  backward: Collective  # what their gradients go through on the way back
 
 
 # (source kind, destination kind, layout) -> Bridge; layout "rows": a value whose batch is
@@ -57,15 +68,16 @@ class Bridge:
 # e.g. 2:1) a copy of the narrower one takes the rows of several copies of the wider one.
 # epl.plan.split.crossings labels every crossing from this table; epl.passes.bridge builds
 # each label with its collective.
+_C = Collective
 TRANSITIONS = {
-    ("replicate", "replicate", "rows"): Bridge("send_recv", "send_recv"),
-    ("replicate", "replicate", "rows into fewer copies"): Bridge("all_gather", "reduce_scatter"),
-    ("replicate", "replicate", "rows into more copies"): Bridge("split_batch", "all_gather"),
-    ("replicate", "split", "rows"): Bridge("all_gather", "reduce_scatter"),
-    ("split", "replicate", "rows"): Bridge("split_batch", "all_gather"),
-    ("replicate", "split", "experts"): Bridge("all_to_all", "all_to_all"),
-    ("split", "replicate", "experts"): Bridge("all_to_all", "all_to_all"),
-    ("split", "split", "rows"): Bridge("all_to_all", "all_to_all"),
+    ("replicate", "replicate", "rows"): Bridge(_C.SEND_RECV, _C.SEND_RECV),
+    ("replicate", "replicate", "rows into fewer copies"): Bridge(_C.ALL_GATHER, _C.REDUCE_SCATTER),
+    ("replicate", "replicate", "rows into more copies"): Bridge(_C.SPLIT_BATCH, _C.ALL_GATHER),
+    ("replicate", "split", "rows"): Bridge(_C.ALL_GATHER, _C.REDUCE_SCATTER),
+    ("split", "replicate", "rows"): Bridge(_C.SPLIT_BATCH, _C.ALL_GATHER),
+    ("replicate", "split", "experts"): Bridge(_C.ALL_TO_ALL, _C.ALL_TO_ALL),
+    ("split", "replicate", "experts"): Bridge(_C.ALL_TO_ALL, _C.ALL_TO_ALL),
+    ("split", "split", "rows"): Bridge(_C.ALL_TO_ALL, _C.ALL_TO_ALL),
 }
 
 

@@ -19,7 +19,7 @@ import json
 from typing import Dict, Mapping, Tuple
 
 from epl.cluster import worker_of
-from epl.plan.placement import Placement, placement_from_dict
+from epl.plan.placement import Collective, Placement, placement_from_dict
 
 PHASES = ("forward", "backward", "apply")
 
@@ -90,11 +90,14 @@ class Crossing:
   batch_major: bool
   backward: bool
   axis: int = 0             # the batch axis of a batch-major value (1 for MoE expert slices)
-  collective: str = ""      # what carries it (epl.plan.placement.TRANSITIONS)
+  collective: Collective = Collective.SEND_RECV   # what carries it (placement.TRANSITIONS)
+
+  def __post_init__(self):
+    object.__setattr__(self, "collective", Collective(self.collective))   # read from JSON
 
   def __str__(self):
     return "%s %s -> %s (%s%s%s)" % (
-        self.collective or ("gather" if self.gather else "scatter"), self.tensor, self.consumer,
+        self.collective, self.tensor, self.consumer,
         ("rows" if not self.axis else "batch axis %d" % self.axis) if self.batch_major else
         "whole", ", gradient" if self.backward else "", "" if self.gather else ", out")
 
