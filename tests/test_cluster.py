@@ -23,7 +23,8 @@ from tests.test_multiworker import local_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 WHY_NOT = cluster.available()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)),
+              pytest.mark.alone]      # its hosts are network namespaces with capped links
 
 
 @pytest.fixture

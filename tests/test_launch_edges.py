@@ -118,6 +118,7 @@ def test_launcher_input_it_cannot_honour_is_refused_at_once_in_one_line(flags, m
 EXIT = os.path.join(WORKERS, "exit_worker.py")
 
 
+@pytest.mark.alone                  # ends within 10 s of a worker's exit
 @pytest.mark.parametrize("how,says", [
     ("exit3", "worker 1 failed (exit code 3) at step 30, the first worker to end"),
     ("os_exit", "worker 1 failed (exit code 4) at step 30, the first worker to end"),
@@ -141,6 +142,7 @@ def test_any_worker_exit_ends_the_job_within_10_s_naming_it(tmp_path, how, says)
   assert ended - left_at < 10, "the job ended %.1f s after worker 1 left" % (ended - left_at)
 
 
+@pytest.mark.alone                  # ends within 10 s of a worker's exit
 @pytest.mark.parametrize("how,logs,says", [
     ("exit3", "shared", "epl worker 0 stops: worker 1 ended (exit code 3) at step 30"),
     ("exit3", "apart", "epl worker 0 stops: worker 1 ended (exit code 3) at step 30"),

@@ -258,6 +258,7 @@ def _alive(pid):
     return False
 
 
+@pytest.mark.alone                  # finds its workers among every train_worker.py process
 def test_killed_worker_stops_the_job(tmp_path):
   full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
   proc = subprocess.Popen(

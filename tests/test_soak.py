@@ -18,6 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK = os.path.join(ROOT, "bench", "soak.py")
 SECONDS = 12
 
+pytestmark = pytest.mark.alone    # a soak runs at full speed (the guide: each case alone)
+
 
 def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
   out = subprocess.run([sys.executable, SOAK, "--alone", "--seconds", str(SECONDS),
