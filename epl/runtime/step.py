@@ -69,15 +69,17 @@ class StepChain:
     self.state, self.pg = state, pg
     plan = pg.plan
     self.retried_steps = 0
-    self._status = Progress(pg, 0) if state.config.launch.status_file else None
+    # which runs train: one detector (its walk of the graph and its caches) for every layer
+    self._trains = Progress(pg, 0)
+    self._status = self._trains if state.config.launch.status_file else None
     every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
     self._progress = Progress(pg, every, clients=len(plan.clients)) \
         if every and not plan.is_local else None
     recomputed = pg.results.get("recompute")
-    self._check = (recomputed.check_op, Progress(pg, 0)) \
+    self._check = (recomputed.check_op, self._trains) \
         if recomputed is not None and recomputed.check_op is not None else None
     self._plain = plan.total_copies == 1 and plan.worker_num == 1 and state.fetch_mapper is None
-    self._peers = self._ended = self._trains = None
+    self._peers = self._ended = None
     self._accumulation = None
     self._layers = [layer for layer, wanted in (
         (self._launch_status, self._status is not None),
@@ -147,7 +149,6 @@ class StepChain:
                                      beat=state.heartbeat,
                                      status_file=state.config.launch.status_file,
                                      ended_peers=self._ended)
-      self._trains = Progress(self.pg, 0)
     self._peers.training = self._trains.trains_fetches(call.session.graph, call.fetches)
     original = call.original
 
