@@ -161,6 +161,9 @@ class Recorder:
     self.shard_ops = {}        # op name -> shard (variable parts)
     self.sharded = {}          # whole tensor -> epl.sharding.sharded.Sharded
     self.sharded_shapes = {}   # tf.shape of a sharded value -> its Sharded
+    self.variables = {}        # whole read of a split variable whose cut is not settled ->
+                               # its relayout(scope, axis, sizes, shards)
+    self.uses = {}             # sharded or split-variable tensor -> rules that read it
     self.exchange_axes = {}    # op name -> batch axis of the values it exchanges between the
                                # copies and the split parts (MoE all-to-all: the copies' expert
                                # slices, the concatenation of the parts' outputs)

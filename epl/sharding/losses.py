@@ -5,7 +5,7 @@ result; the whole logits are never gathered (see epl.sharding.rules for the tabl
 """
 import tensorflow.compat.v1 as tf
 
-from epl.sharding.sharded import cut, per_part
+from epl.sharding.sharded import cut, part_name, per_part
 
 
 def _global_max(scope, sharded, axis):
@@ -17,8 +17,10 @@ def _global_max(scope, sharded, axis):
 def softmax(scope, op_type, build, kw, name):
   sharded = scope.lookup(kw["logits"])
   axis = sharded.parts[0].shape.rank - 1
-  if sharded.axis != axis:
-    return None
+  if sharded.axis != axis:       # over a whole axis (attention's keys, the heads split)
+    outs = per_part(scope, sharded, lambda i: build(logits=sharded.parts[i],
+                                                    name=part_name(name, i))[0])
+    return [scope.register(outs, sharded.axis, sharded.sizes, name, sharded.shards)]
   top = _global_max(scope, sharded, axis)
   exps = per_part(scope, sharded, lambda i: tf.exp(sharded.parts[i] - top))
   sums = per_part(scope, sharded, lambda i: tf.reduce_sum(exps[i], axis=axis, keepdims=True))

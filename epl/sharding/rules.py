@@ -3,27 +3,35 @@
 Inside a split scope every variable of rank >= 1 is created sharded (a TF PartitionedVariable:
 part i lives on the scope's i-th device, holds the slice of the value the local model would
 have created -- the full initial value is computed once on the host and sliced -- and is saved
-in checkpoints as the whole variable): rank 1 and rank 2 variables along their last axis (a
-dense layer's bias and kernel: column parallel), rank >= 3 ones along their first axis (expert
-weights ``[E, ...]``). Reading such a variable gives a *sharded* value; each op built inside the
-scope that reads a sharded value is replaced by the rule for its op type (the table below).
+in checkpoints as the whole variable): first rank 1 and rank 2 variables (and ``[1, .., nx,
+nf]``) along their last axis, larger ones along their first axis (expert weights ``[E, ...]``);
+the first rule that reads one settles its cut (epl.sharding.layout: rows for a row-parallel
+dense or an embedding, whole for a layer norm, groups for a fused Q/K/V). Reading such a
+variable gives a *sharded* value; each op built inside the scope that reads a sharded value
+is replaced by the rule for its op type (the table below).
 The rule builds the op's work per part -- each part's ops run on that part's device -- and
 whatever combines the parts, without ever gathering the whole value:
 
 =========================================  ===============================================
 op type (what builds it)                    sharded implementation
 =========================================  ===============================================
-MatMul (tf.layers.dense,                    x @ kernel_part per shard: the output is sharded
-  tf.keras.layers.Dense, tf.matmul)         along its columns; the whole x goes to each
-                                            shard (a sharded x is gathered first)
+MatMul (tf.layers.dense,                    x whole: x @ kernel columns per shard, the output
+  tf.keras.layers.Dense, tf.matmul,         split along its columns (column parallel); x
+  GPT-2's conv1d)                           split along the contraction axis: x_i @ kernel
+                                            rows_i, summed (row parallel: one all-reduce)
+BatchMatMul, Transpose (attention)          per part, split along a batch axis (the heads)
+Split (tf.split)                            pieces of whole parts (a fused Q/K/V in groups)
+GatherV2 (embedding lookup)                 vocabulary parallel: each part's rows, summed
 BiasAdd and elementwise ops (activations,   per part; an operand that is not sharded is
   add, mul, cast, comparisons, select ...)  sliced to the part (or broadcast)
-Reshape                                     per part, when the sharded axis stays the last
+Reshape                                     per part, when the sharded axis stays the last,
+                                            or splits / merges the heads [.., h*d] <-> [.., h,
+                                            d] with whole heads per part
 Shape                                       the whole value's shape, from the parts
 Sum / Mean / Max / Min                      per part; over the sharded axis the parts'
                                             results are combined (not sharded any more)
-Softmax / LogSoftmax over the sharded       per part, with the global max and sum of exps
-  axis                                      (the output stays sharded)
+Softmax / LogSoftmax                        over the sharded axis: per part, with the global
+                                            max and sum of exps; over another: per part
 SparseSoftmaxCrossEntropyWithLogits         per shard max, sum of exps and the label's
   (tf.losses.sparse_softmax_cross_entropy,  logit, combined over shards: the loss needs only
   tf.nn.sparse_softmax_...)                 [batch] vectors from each shard
@@ -47,12 +55,15 @@ list. Adding a rule is one row in ``RULES`` and one test.
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.sharding import experts, losses
+from epl.sharding import experts, layout, losses, transformer
 from epl.sharding.sharded import (axis_from_end, cut, enter_rule, exit_rule, part_name,
                                   part_sizes, per_part, slices)
 
 SUPPORTED = (
-    "tf.layers.dense / tf.keras.layers.Dense / tf.matmul with a split kernel (column parallel)",
+    "tf.layers.dense / tf.keras.layers.Dense / tf.matmul (column or row parallel, "
+    "transpose_b for tied logits)", "attention: batched tf.matmul and tf.transpose over the "
+    "split heads, tf.split of a fused projection, reshapes splitting / merging the heads",
+    "tf.gather of an embedding (vocabulary parallel)",
     "bias add and elementwise ops (relu, gelu, tanh, sigmoid, add, mul, cast, equal, ...)",
     "reshape keeping the split axis last", "tf.shape",
     "tf.reduce_sum / reduce_mean / reduce_max / reduce_min", "tf.nn.softmax / log_softmax",
@@ -76,6 +87,7 @@ def apply(scope, op_type, build, keywords, name):
   finally:
     exit_rule()
   if outputs is not None:
+    layout.count_uses(scope, keywords, tensors)
     scope.recorder.add_rule_interval(first, scope.recorder.graph.version, scope.taskgraph)
   return outputs
 
@@ -90,25 +102,28 @@ def tensors(keywords):
 
 # ---- rules -----------------------------------------------------------------------------------
 def elementwise(scope, op_type, build, kw, name):
-  first = next(scope.lookup(t) for t in tensors(kw) if scope.lookup(t) is not None)
+  whole = layout.whole_weights(scope, kw, tensors)
+  if whole is not None:              # x * g + b of a layer norm: its weights whole
+    return build(name=name, **whole)
+  split = [t for t in tensors(kw) if scope.lookup(t) is not None]
+  lead = next((t for t in split if t not in scope.recorder.variables), split[0])
+  first = scope.lookup(lead)
   operands = {}
   for key, value in kw.items():
     pieces = cut(scope, value, first)
+    if pieces is None and isinstance(value, tf.Tensor):
+      mine = scope.lookup(value)
+      pieces = None if mine is None or axis_from_end(mine) != axis_from_end(first) else \
+          layout.align(scope, value, mine.axis, first)
     if pieces is None:
       return None
     operands[key] = pieces
   outs = per_part(scope, first, lambda i: build(name=part_name(name, i), **{
       k: v[i] for k, v in operands.items()})[0])
-  return [scope.register(outs, first.axis, first.sizes, name)]
-
-
-def matmul(scope, op_type, build, kw, name):
-  sb = scope.lookup(kw["b"])
-  if sb is None or kw.get("transpose_a") or kw.get("transpose_b") or sb.axis != 1:
-    return None
-  outs = per_part(scope, sb, lambda i: build(name=part_name(name, i), **dict(
-      kw, b=sb.parts[i]))[0])
-  return [scope.register(outs, 1, sb.sizes, name)]
+  rank = outs[0].shape.rank
+  remake = layout.replayer(elementwise, scope, op_type, build, kw, name,
+                           lambda t, axis: layout.from_end(t, axis, rank)) if rank else None
+  return [scope.register(outs, first.axis, first.sizes, name, first.shards, remake)]
 
 
 def _folded(t):
@@ -130,21 +145,23 @@ def _folded(t):
 
 def _last_dim(scope, shape):
   """The static last entry of a shape tensor, or None. Knows TF's "flatten the outer
-  dimensions" idiom: concat([[-1], slice(tf.shape(x), [rank - 1], [1])])."""
+  dimensions" idioms: concat([[-1], slice(tf.shape(x), [rank - 1], [1])]) and
+  stack([-1, tf.shape(x)[rank - 1]])."""
   value = tf.get_static_value(shape, partial=True)
   if value is not None and len(value) and value[-1] is not None:
     return int(value[-1])
-  if shape.op.type != "ConcatV2":
+  if shape.op.type not in ("ConcatV2", "Pack"):
     return None
-  last = shape.op.inputs[-2]
+  last = shape.op.inputs[-2 if shape.op.type == "ConcatV2" else -1]
   value = tf.get_static_value(last, partial=True)
-  if value is not None and len(value) and value[-1] is not None:
+  if value is not None and np.ndim(value) and len(value) and value[-1] is not None:
     return int(value[-1])
-  of = scope.recorder.sharded_shapes.get(last.op.inputs[0]) if last.op.type == "Slice" else None
+  of = scope.recorder.sharded_shapes.get(last.op.inputs[0]) if last.op.type in (
+      "Slice", "StridedSlice") else None
   begin = _folded(last.op.inputs[1]) if of is not None else None
   rank = of.parts[0].shape.rank if of is not None else None
-  if begin is not None and rank is not None and int(np.ravel(begin)[0]) == rank - 1 and \
-      of.axis == rank - 1:
+  if begin is not None and rank is not None and int(np.ravel(begin)[0]) % rank == rank - 1 \
+      and of.axis == rank - 1:
     return of.total
   return None
 
@@ -152,17 +169,34 @@ def _last_dim(scope, shape):
 def reshape(scope, op_type, build, kw, name):
   tensor, shape = kw["tensor"], kw["shape"]
   sharded = scope.lookup(tensor)
-  if sharded is None or axis_from_end(sharded) != -1:
-    return None
   shape = tf.convert_to_tensor(shape)
-  if _last_dim(scope, shape) != sharded.total or shape.shape.rank != 1 or \
-      shape.shape.dims[0].value is None:
+  if sharded is None or shape.shape.rank != 1 or shape.shape.dims[0].value is None:
     return None
   rank = shape.shape.dims[0].value
-  outs = per_part(scope, sharded, lambda i: build(
-      tensor=sharded.parts[i], name=part_name(name, i),
-      shape=tf.concat([shape[:-1], tf.constant([sharded.sizes[i]], shape.dtype)], 0))[0])
-  return [scope.register(outs, rank - 1, sharded.sizes, name)]
+  remake = layout.replayer(reshape, scope, op_type, build, kw, name,
+                           lambda t, axis: layout.from_end(t, axis, rank))
+  if axis_from_end(sharded) == -1 and _last_dim(scope, shape) == sharded.total:
+    outs = per_part(scope, sharded, lambda i: build(
+        tensor=sharded.parts[i], name=part_name(name, i),
+        shape=tf.concat([shape[:-1], tf.constant([sharded.sizes[i]], shape.dtype)], 0))[0])
+    return [scope.register(outs, rank - 1, sharded.sizes, name, sharded.shards, remake)]
+  if _squeezes_leading(sharded, shape, rank):   # [1, nx, nf] by rows -> [nx, nf]
+    outs = per_part(scope, sharded, lambda i: build(
+        tensor=sharded.parts[i], name=part_name(name, i), shape=shape)[0])
+    return [scope.register(outs, 0, sharded.sizes, name, sharded.shards, remake)]
+  return transformer.reshape_heads(scope, build, sharded, shape, rank, name)
+
+
+def _squeezes_leading(sharded, shape, rank):
+  """True for a reshape of a value split along an axis with only 1s before it into
+  ``[-1, <the dims after it>]``."""
+  dims = sharded.parts[0].shape.as_list() if sharded.parts[0].shape.rank else None
+  target = tf.get_static_value(shape, partial=True)
+  if dims is None or target is None or sharded.axis == 0:
+    return False
+  after = dims[sharded.axis + 1:]
+  return all(d == 1 for d in dims[:sharded.axis]) and rank == len(after) + 1 and \
+      target[0] == -1 and [None if t is None else int(t) for t in target[1:]] == after
 
 
 def shape_of(scope, op_type, build, kw, name):
@@ -294,7 +328,10 @@ BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
 # it reads a sharded value)
 RULES = dict(
     [(t, elementwise) for t in UNARY + BINARY] +
-    [("MatMul", matmul), ("Reshape", reshape), ("Shape", shape_of),
+    [("MatMul", transformer.matmul), ("BatchMatMulV2", transformer.batch_matmul),
+     ("BatchMatMulV3", transformer.batch_matmul), ("Transpose", transformer.transpose),
+     ("Split", transformer.split), ("GatherV2", transformer.gather),
+     ("Reshape", reshape), ("Shape", shape_of),
      ("Sum", reduction), ("Mean", reduction), ("Max", reduction), ("Min", reduction),
      ("Softmax", losses.softmax), ("LogSoftmax", losses.softmax),
      ("SparseSoftmaxCrossEntropyWithLogits", losses.sparse_xent),
@@ -304,11 +341,14 @@ RULES = dict(
 
 # ---- variables -------------------------------------------------------------------------------
 def split_axis(shape):
-  """The axis a variable created in a split scope is sharded along (None: not sharded)."""
+  """The axis a variable created in a split scope is sharded along first (None: not
+  sharded): the last of a vector or a matrix (also a matrix with leading 1s, GPT-2's conv1d
+  weight ``[1, nx, nf]``), the first (the experts) of a larger one. Its first use may settle
+  another (epl.sharding.layout)."""
   rank = len(shape)
   if rank == 0:
     return None
-  return rank - 1 if rank <= 2 else 0
+  return rank - 1 if rank <= 2 or all(d == 1 for d in shape[:-2]) else 0
 
 
 def variable_layout(scope, shape):
@@ -320,16 +360,18 @@ def variable_layout(scope, shape):
   return axis, part_sizes(shape[axis], min(scope.n, shape[axis]))
 
 
-def adopt_variable(scope, parts, axis):
-  """Registers a sharded variable: part i belongs to shard i; returns the whole value every
-  read of the variable gives (the concatenation of per-shard reads, registered sharded)."""
-  for i, part in enumerate(parts):
-    scope.recorder.shard_ops[part.op.name] = i
+def adopt_variable(scope, parts, axis, shards=None):
+  """Registers a sharded variable: part i belongs to shard ``shards[i]`` (default i); returns
+  the whole value every read of the variable gives (the concatenation of per-shard reads,
+  registered sharded)."""
+  shards = list(shards or range(len(parts)))
+  for part, shard in zip(parts, shards):
+    scope.recorder.shard_ops[part.op.name] = shard
   full_name = parts[0].op.name.rsplit("/", 1)[0]
   reads = []
   with tf.control_dependencies(None), tf.name_scope(None), tf.name_scope(full_name + "/"):
-    for i, part in enumerate(parts):
-      with scope.shard(i):
+    for i, (part, shard) in enumerate(zip(parts, shards)):
+      with scope.shard(shard):
         reads.append(tf.identity(part, name="read_part%d" % i))
     return scope.register(reads, axis, [p.get_shape().as_list()[axis] for p in parts],
-                          name="sharded")
+                          name="sharded", shards=shards)

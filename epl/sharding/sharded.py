@@ -16,12 +16,21 @@ import tensorflow.compat.v1 as tf
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-  """``parts[i]`` (on shard i) holds ``sizes[i]`` consecutive slices of the whole along
-  ``axis`` (non-negative)."""
+  """``parts[i]`` (on shard ``shards[i]``, default i) holds ``sizes[i]`` consecutive slices
+  of the whole along ``axis`` (non-negative), in order. A value grouped for a later
+  ``tf.split`` (a fused Q/K/V projection) has several parts per shard.
+
+  ``remake(sizes, shards)``: the same value cut another way along ``axis``, built again
+  from its weights (epl.sharding.layout), or None when it cannot be."""
   parts: Tuple[tf.Tensor, ...]
   axis: int
   sizes: Tuple[int, ...]
   taskgraph: int = None           # index of the split TaskGraph whose rules made it
+  shards: Tuple[int, ...] = None
+  remake: object = None
+
+  def shard_of(self, i):
+    return self.shards[i] if self.shards else i
 
   @property
   def offsets(self):
@@ -81,12 +90,14 @@ class SplitScope:
   def lookup(self, tensor):
     return self.recorder.sharded.get(tensor) if isinstance(tensor, tf.Tensor) else None
 
-  def register(self, parts, axis, sizes, name=None):
+  def register(self, parts, axis, sizes, name=None, shards=None, remake=None):
     """The whole value of ``parts`` (their concatenation) as a sharded tensor: the
     concatenation only runs if something outside the rules (a fetch, another TaskGraph)
     reads the whole value."""
     whole = tf.concat(list(parts), axis=axis, name=name or "epl_sharded")
-    self.recorder.sharded[whole] = Sharded(tuple(parts), axis, tuple(sizes), self.taskgraph)
+    shards = tuple(shards) if shards and tuple(shards) != tuple(range(len(parts))) else None
+    self.recorder.sharded[whole] = Sharded(tuple(parts), axis, tuple(sizes), self.taskgraph,
+                                           shards, remake)
     return whole
 
 
@@ -127,7 +138,8 @@ def cut(scope, tensor, sharded):
   mine = scope.lookup(tensor)
   from_end = axis_from_end(sharded)
   if mine is not None:
-    if mine.sizes == sharded.sizes and axis_from_end(mine) == from_end:
+    if mine.sizes == sharded.sizes and axis_from_end(mine) == from_end and \
+        mine.shards == sharded.shards:
       return list(mine.parts)
     return None
   rank = tensor.shape.rank
@@ -140,15 +152,15 @@ def cut(scope, tensor, sharded):
     return [tensor] * len(sharded.parts)
   if dim is not None and dim != sharded.total:       # unknown: sliced (a mismatch fails loudly)
     return None
-  return slices(scope, tensor, rank + from_end, sharded.sizes)
+  return slices(scope, tensor, rank + from_end, sharded.sizes, sharded.shard_of)
 
 
-def slices(scope, tensor, axis, sizes):
+def slices(scope, tensor, axis, sizes, shard_of=lambda i: i):
   """Per-shard slices of a whole tensor along ``axis``, each cut on its shard's device (the
   whole value is sent to every shard, like an all-gather; its gradient comes back per shard)."""
   out, offset = [], 0
   for i, size in enumerate(sizes):
-    with scope.shard(i):
+    with scope.shard(shard_of(i)):
       begin = [0] * tensor.shape.rank
       begin[axis] = offset
       extent = [-1] * tensor.shape.rank
@@ -161,6 +173,6 @@ def slices(scope, tensor, axis, sizes):
 def per_part(scope, sharded, fn):
   outs = []
   for i in range(len(sharded.parts)):
-    with scope.shard(i):
+    with scope.shard(sharded.shard_of(i)):
       outs.append(fn(i))
   return outs

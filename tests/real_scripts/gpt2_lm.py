@@ -83,16 +83,16 @@ def mlp(x, scope, n_state):
     return conv1d(h, "c_proj", nx)
 
 
-def block(x, scope):
+def block(x, scope, heads=HEADS):
   with tf.variable_scope(scope):
     nx = x.shape[-1].value
-    a = attn(norm(x, "ln_1"), "attn", nx, HEADS)
+    a = attn(norm(x, "ln_1"), "attn", nx, heads)
     x = x + a
     m = mlp(norm(x, "ln_2"), "mlp", nx * 4)
     return x + m
 
 
-def model(tokens, stage):
+def model(tokens, stage, heads=HEADS):
   with tf.variable_scope("model"):
     batch, seq = shape_list(tokens)
     with stage(0):
@@ -102,20 +102,20 @@ def model(tokens, stage):
                             initializer=tf.random_normal_initializer(stddev=0.3))
       positions = tf.tile(tf.range(seq)[None, :], [batch, 1])
       h = tf.gather(wte, tokens) + tf.gather(wpe, positions)
-      h = block(h, "h0")
+      h = block(h, "h0", heads)
     with stage(1):
       for layer in range(1, LAYERS):
-        h = block(h, "h%d" % layer)
+        h = block(h, "h%d" % layer, heads)
       h = norm(h, "ln_f")
       h_flat = tf.reshape(h, [batch * seq, EMBD])
       logits = tf.matmul(h_flat, wte, transpose_b=True)      # tied to the input embedding
       return tf.reshape(logits, [batch, seq, VOCAB])
 
 
-def build(batch_size, stage, grads="tf.gradients", lr=0.01, clip=1.0):
+def build(batch_size, stage, grads="tf.gradients", lr=0.01, clip=1.0, heads=HEADS):
   del batch_size                       # the context placeholder is [None, CTX + 1]
   context = tf.placeholder(tf.int32, [None, CTX + 1], name="context")
-  logits = model(context[:, :-1], stage)
+  logits = model(context[:, :-1], stage, heads)
   with stage(1):
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=context[:, 1:], logits=logits))
