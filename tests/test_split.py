@@ -11,7 +11,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.errors import AnnotationError, NotImplementedYetError, PlanError
+from epl.errors import AnnotationError, PlanError
 from tests import split_models as sm
 
 CLASSES = 1000
@@ -338,8 +338,6 @@ def test_split_mistakes_are_clear_errors():
       tf.layers.dense(x, 8)
   with pytest.raises(PlanError, match=r"split 'wide' asks for device_count=8 but the job has 2"):
     _build_and_start(too_many)
-  with pytest.raises(NotImplementedYetError, match="num_micro_batch > 1 with epl.split"):
-    _build_and_start(_head_with(tf.nn.relu), **{"pipeline.num_micro_batch": 2})
 
   def shared_weight():
     x = tf.placeholder(tf.float32, [None, 4])

@@ -4,6 +4,9 @@ whole model in one ``epl.split`` scope trains the local model (1e-5), and each w
 as its use asks (epl.sharding.layout): the first dense of a pair by columns, the second by
 rows, Q/K/V in groups with whole heads per part, layer norms whole, the tied embedding by
 vocabulary rows."""
+import contextlib
+import functools
+
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
@@ -12,7 +15,7 @@ import epl
 from tests import split_models as sm
 from tests.real_scripts import gpt2_lm
 
-ROWS, STEPS = 4, 3
+ROWS, STEPS = 8, 3
 
 
 def _build(stage, heads):
@@ -30,17 +33,33 @@ def _cuts(graph):
   return {k: sorted(v) for k, v in out.items()}
 
 
+def _data():
+  return (gpt2_lm.make_data(ROWS * STEPS + 3)["context"],)
+
+
+@functools.lru_cache(maxsize=None)
+def _local(heads):
+  return sm.train(lambda: _build(lambda i: contextlib.nullcontext(), heads), _data(), STEPS,
+                  ROWS)
+
+
+def _parity(stage, config, heads=2, rtol=1e-5):
+  """Trains the LM under epl (``stage(i)``: the scope of stage i) from the local run's
+  weights; its losses and weights are the local run's within ``rtol``."""
+  local = _local(heads)
+  run = sm.train(lambda: _build(stage, heads), _data(), STEPS, ROWS,
+                 config=epl.Config(config), initial=local.initial)
+  for got, want in zip(run.fetched, local.fetched):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=rtol, atol=rtol)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(run.variables[name], value, rtol=rtol, atol=rtol, err_msg=name)
+  return run
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_transformer_split_over_parts_trains_the_local_model(tp):
-  heads = tp
-  data = (gpt2_lm.make_data(ROWS * STEPS + 3)["context"],)
-  local = sm.train(lambda: _build(lambda i: _null(), heads), data, STEPS, ROWS)
-  run = sm.train(lambda: _build(lambda i: epl.split(tp, name="tp"), heads), data, STEPS, ROWS,
-                 config=epl.Config({"cluster.devices_per_worker": tp}), initial=local.initial)
-  for got, want in zip(run.fetched, local.fetched):
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, atol=1e-5)
-  for name, value in local.variables.items():
-    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+  run = _parity(lambda i: epl.split(tp, name="tp"), {"cluster.devices_per_worker": tp},
+                heads=tp)
   cuts = _cuts(run.graph)
   e, v = gpt2_lm.EMBD, gpt2_lm.VOCAB
   rows = lambda n, tail: [((0, i * n // tp) + (0,) * len(tail), (1, n // tp) + tail)
@@ -55,6 +74,28 @@ def test_a_transformer_split_over_parts_trains_the_local_model(tp):
   assert cuts["model/wte"] == [((i * v // tp, 0), (v // tp, e)) for i in range(tp)]
 
 
-def _null():
-  import contextlib                          # pylint: disable=import-outside-toplevel
-  return contextlib.nullcontext()
+def _tp_stages(i):
+  return epl.split(2, name="stage%d" % i)
+
+
+RECIPE = {"cluster.devices_per_worker": 8, "pipeline.num_micro_batch": 4}
+FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
+
+
+@pytest.mark.parametrize("layout,stage,config,rtol", [
+    ("TP 2 x DP 2", lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4},
+     1e-5),
+    ("DP 2 x PP 2 x TP 2, 4 micro-batches", _tp_stages, RECIPE, 1e-5),
+    ("the same + ZeRO v1 + gradient checkpointing", _tp_stages,
+     dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto"}), 1e-5),
+    ("the same + AMP O1", _tp_stages,
+     dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto",
+                     "amp.level": "O1"}), FP16_RTOL),
+])
+def test_the_3d_recipe_on_one_worker_trains_the_local_model(layout, stage, config, rtol):
+  """Tensor parallel inside pipeline stages, data parallel around them, with ZeRO, gradient
+  checkpointing and AMP: 8 devices of one worker."""
+  run = _parity(stage, config, rtol=rtol)
+  assert len(run.parallel.plan.copies) == 2, layout            # DP 2 around the parts
+  stages = run.parallel.plan.taskgraphs
+  assert [t.placement.kind for t in stages] == ["split"] * len(stages), layout

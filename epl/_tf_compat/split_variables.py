@@ -112,6 +112,7 @@ def relayout(variable, scope, axis, sizes, shards=None):
     ref[:] = [v for v in ref if not any(v is p for p in old)]
   for part in old:
     scope.recorder.shard_ops.pop(part.op.name, None)
+    scope.recorder.retired.add(part.op.name)
   for whole, again in list(scope.recorder.variables.items()):
     if again.args[0] is variable:
       del scope.recorder.variables[whole]

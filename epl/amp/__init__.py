@@ -57,8 +57,7 @@ def apply_amp(graph, recorder, config):
   if config.amp.level != "O1":
     return None
   refused = [what for what, on in (
-      ("epl.split", any(s.kind == "split" for s in recorder.specs)),
-      ("zero.level", bool(config.zero.level)), ("offload.level", bool(config.offload.level)))
+      ("offload.level", bool(config.offload.level)),)
              if on]
   if refused:
     raise NotImplementedYetError(

@@ -23,18 +23,36 @@ def read_var(var_op):
 
 
 def replace_update(name, mine, instead):
-  """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``."""
-  for op in mine:
-    if op is None:
-      continue
+  """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``. An
+  update that hands a value on (a sparse optimizer's scatter read by its next step: Adam's
+  ``m_t`` of an embedding) is replaced with the ops reading it, up to where the chain ends."""
+  chain = _data_chain([op for op in mine if op is not None])
+  for op in chain:
     for t in op.outputs:
-      if t.consumers():
+      outside = [c for c in t.consumers() if c not in chain]
+      if outside:
         raise NotImplementedYetError(
             "zero.level: the update %s of %s has a data output that %s reads; only "
             "updates that other ops wait for (control dependencies) are supported" % (
-                op.name, name, t.consumers()[0].name))
+                op.name, name, outside[0].name))
     for waiter in list(compat.control_outputs(op)):
-      compat.replace_control_inputs(waiter, {op: instead})
+      if waiter not in chain:
+        compat.replace_control_inputs(waiter, {op: instead})
+
+
+def _data_chain(ops, limit=64):
+  """``ops`` and the ops that read their outputs, directly or through others (at most
+  ``limit`` more: an optimizer's update chain; beyond it, what reads the update is not the
+  optimizer's)."""
+  chain, work = set(ops), list(ops)
+  while work:
+    op = work.pop()
+    for t in op.outputs:
+      for c in t.consumers():
+        if c not in chain and len(chain) < len(ops) + limit:
+          chain.add(c)
+          work.append(c)
+  return chain
 
 
 def bucket(ctx, key, names):

@@ -106,6 +106,9 @@ def attribute_ops(graph, recorder, upto_version):
   """
   ops = sorted(graph.get_operations(), key=compat.op_id)[:upto_version]
   rank = {op: i + 1 for i, op in enumerate(ops)}
+  if recorder.retired:
+    gone = retired(graph, recorder.retired)
+    ops = [op for op in ops if op not in gone]
   phase_fn = _phase_of_ids(recorder)
   phase = {op: phase_fn(rank[op]) for op in ops}
   by_name = {op.name: op for op in ops}
@@ -135,6 +138,20 @@ def attribute_ops(graph, recorder, upto_version):
                         if owner.get(c) is not None and phase.get(c) == "apply"),
                        next((owner[c] for c in users if owner.get(c) is not None), last))
   return owner, phase
+
+
+def retired(graph, names):
+  """The ops a split variable's relayout left unread (epl._tf_compat.split_variables): its
+  first parts and every op that reads them, directly or through others."""
+  out, work = set(), [graph.get_operation_by_name(n) for n in names]
+  while work:
+    op = work.pop()
+    if op in out:
+      continue
+    out.add(op)
+    work.extend(c for t in op.outputs for c in t.consumers())
+    work.extend(compat.control_outputs(op))
+  return out
 
 
 def _from_colocation(op, by_name, owner):

@@ -114,6 +114,7 @@ def _attribute(graph, recorder, upto):
   ``upto`` versions; returns (their specs, owner, phase, ops by name, ranks)."""
   owner, phase = attribute_ops(graph, recorder, upto)
   ops, rank = split_facts.op_ranks(graph, upto)
+  ops = [op for op in ops if op in phase]          # not the ops a relayout left unread
   kinds = {i: s.kind for i, s in enumerate(recorder.specs)}
   split_facts.move_inputs_to_copies(ops, owner, kinds, {
       i: s.device_count or 1 for i, s in enumerate(recorder.specs) if s.kind == REPLICATE})
@@ -230,8 +231,7 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with different device_count (%s) together with %s are not "
           "implemented yet in epl; give every replicate scope the same device_count" % (
               mixed, "epl.split" if has_split else "zero.level"))
-  if config.zero.level and (has_split or config.offload.level or
-                            config.optimizer.num_apply_group > 1):
+  if config.zero.level and (config.offload.level or config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
         "zero.level %r is implemented for data parallelism (on one or several workers), "
         "without epl.split, offload.level and "
@@ -245,10 +245,6 @@ def _refuse_combinations(specs, placements, config, cluster):
         "offload.level %r with epl.split is not implemented yet in epl (the split parts are "
         "what keeps a large weight small per device); unset offload.level" %
         config.offload.level)
-  if config.pipeline.num_micro_batch > 1 and has_split:
-    raise NotImplementedYetError(
-        "pipeline.num_micro_batch > 1 with epl.split is not implemented yet in epl; use "
-        "num_micro_batch 1 with a split TaskGraph")
 
 
 def _check_fit(specs, placements, config, cluster):
