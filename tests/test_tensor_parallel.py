@@ -6,6 +6,8 @@ rows, Q/K/V in groups with whole heads per part, layer norms whole, the tied emb
 vocabulary rows."""
 import contextlib
 import functools
+import json
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import tensorflow.compat.v1 as tf
 import epl
 from tests import split_models as sm
 from tests.real_scripts import gpt2_lm
+from tests.test_multiworker import launch
 
 ROWS, STEPS = 8, 3
 
@@ -99,3 +102,30 @@ def test_the_3d_recipe_on_one_worker_trains_the_local_model(layout, stage, confi
   assert len(run.parallel.plan.copies) == 2, layout            # DP 2 around the parts
   stages = run.parallel.plan.taskgraphs
   assert [t.placement.kind for t in stages] == ["split"] * len(stages), layout
+
+
+@pytest.mark.parametrize("layout,devices,stages,config,rtol", [
+    ("TP 2 x DP 2 across 2 workers", 2, 1, {}, 1e-5),
+    ("DP 2 x PP 2 x TP 2, 4 micro-batches, checkpointing: 2 workers x 4", 4, 2,
+     {"pipeline.num_micro_batch": 4, "gradient_checkpoint.type": "auto"}, 1e-5),
+])
+def test_the_3d_recipe_across_workers_trains_the_local_model(tmp_path, layout, devices, stages,
+                                                             config, rtol):
+  """Each worker holds one replica of the tensor-parallel (and pipelined) model and feeds
+  half of every step's rows; the gradients are all-reduced across the workers."""
+  local = _local(2)
+  np.savez(tmp_path / "data.npz", context=_data()[0])
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  worker = os.path.join(os.path.dirname(__file__), "workers", "tp_worker.py")
+  out = launch(["--num_workers", "2", "--gpu_per_worker", str(devices), "--log_dir",
+                str(tmp_path / "logs"), worker, str(tmp_path), str(STEPS), str(ROWS),
+                str(stages), json.dumps(config)], timeout=400)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  clients = [dict(np.load(p)) for p in sorted(tmp_path.glob("client*.npz"))]
+  assert len(clients) == 2, layout
+  assert not any("task:1" in d for d in clients[0]["__devices__"][:2 * stages])
+  losses = np.mean([c["__loss__"] for c in clients], axis=0)   # each: the mean of its half
+  np.testing.assert_allclose(losses, [f["loss"] for f in local.fetched], rtol=rtol, atol=rtol)
+  for c in clients:
+    for name, value in local.variables.items():
+      np.testing.assert_allclose(c[name], value, rtol=rtol, atol=rtol, err_msg=name)

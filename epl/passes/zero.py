@@ -37,8 +37,8 @@ from epl import _tf_compat as compat
 from epl.op_tables import VARIABLE_OPS
 from epl.plan.plan import ZeroLevel
 from epl.passes.slots import slots
-from epl.passes.zero_v2 import (CHECKPOINT_OPS, bucket, partition_across, partition_weights,
-                                read_var, replace_update)
+from epl.passes.zero_v2 import (CHECKPOINT_OPS, bucket, data_chain, partition_across,
+                                partition_weights, read_var, replace_update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,8 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
       tf.device(group[me]), tf.name_scope("epl_zero"):
     if worker.index == sender:
       owner_updates = [clones.op(local[owners[v]], op) for v in names for op in updates[v]]
-      waiters = {w for u in owner_updates for w in compat.control_outputs(u)}
+      chain = data_chain(owner_updates)         # a sparse update's own steps wait inside it
+      waiters = {w for u in owner_updates for w in compat.control_outputs(u)} - chain
       with tf.control_dependencies(owner_updates):
         flat = tf.concat([tf.reshape(read_var(clones.op(local[owners[v]], get(v))), [-1])
                           for v in names], axis=0)
@@ -183,8 +184,11 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
     # start receiving once this worker's gradients for them are reduced (what its own
     # update would have read): a receive launched at the start of the step waits for the
     # sender's update while TF resolves collective instances, and the step stalls
+    # (not what a sparse update chain computes from the slots: it never runs here)
+    chain = data_chain([op for v in names for op in updates[v]])
     ready = [t.op for v in names for op in updates[v] for t in op.inputs
-             if t.op.type not in VARIABLE_OPS]
+             if t.op.type not in VARIABLE_OPS and t.op not in chain and
+             not any(i.op.type in VARIABLE_OPS for i in t.op.inputs)]
     exchanged = ctx.result("gradient_sync").exchanged.get((tg, key[1]))
     if exchanged is not None:         # v1: this worker's share of the reduce-scatter is done
       ready.append(exchanged)

@@ -26,7 +26,7 @@ def replace_update(name, mine, instead):
   """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``. An
   update that hands a value on (a sparse optimizer's scatter read by its next step: Adam's
   ``m_t`` of an embedding) is replaced with the ops reading it, up to where the chain ends."""
-  chain = _data_chain([op for op in mine if op is not None])
+  chain = data_chain([op for op in mine if op is not None])
   for op in chain:
     for t in op.outputs:
       outside = [c for c in t.consumers() if c not in chain]
@@ -40,7 +40,7 @@ def replace_update(name, mine, instead):
         compat.replace_control_inputs(waiter, {op: instead})
 
 
-def _data_chain(ops, limit=64):
+def data_chain(ops, limit=64):
   """``ops`` and the ops that read their outputs, directly or through others (at most
   ``limit`` more: an optimizer's update chain; beyond it, what reads the update is not the
   optimizer's)."""

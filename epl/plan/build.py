@@ -101,10 +101,12 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
     common.update(num_micro_batch=1, accumulate_runs=runs)
     micro = 1
   schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
+  gradients = _gradients(recorder)
+  _refuse_sparse_zero(gradients, config, cluster)
   return ParallelPlan(
       taskgraphs=tgs, copies=copies, shards=_shards(placements),
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
-      gradients=_gradients(recorder), shared_variables=tuple(sorted(
+      gradients=gradients, shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
       parts=parts, crossings=crossings, **common)
 
@@ -226,11 +228,15 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with device_count %s: each device_count must divide the largest "
           "(%d), so that every copy of a stage with fewer devices takes the rows of a whole "
           "number of the widest stage's copies; change device_count" % (mixed, max(counts)))
-    if has_split or config.zero.level:
+    together = [name for name, on in (
+        ("epl.split", has_split), ("zero.level", config.zero.level),
+        ("amp.level", config.amp.level),
+        ("gradient_checkpoint.type", config.gradient_checkpoint.type)) if on]
+    if together:
       raise NotImplementedYetError(
           "replicate scopes with different device_count (%s) together with %s are not "
           "implemented yet in epl; give every replicate scope the same device_count" % (
-              mixed, "epl.split" if has_split else "zero.level"))
+              mixed, " and ".join(together)))
   if config.zero.level and (config.offload.level or config.optimizer.num_apply_group > 1):
     raise NotImplementedYetError(
         "zero.level %r is implemented for data parallelism (on one or several workers), "
@@ -293,6 +299,17 @@ def _layout(placements, colocate, cluster):
           tuple(group[o:o + p.devices]) if p.kind == SPLIT else
           (group[o + j // (shards // p.devices)],) for p, o in zip(placements, offsets))))
   return tuple(copies)
+
+
+def _refuse_sparse_zero(gradients, config, cluster):
+  """NotImplementedYetError for ZeRO across workers with a sparse gradient (an embedding's)."""
+  sparse = [g.variable for g in gradients if len(g.applied or g.tensors) > 1]
+  if config.zero.level and cluster.worker_num > 1 and sparse:
+    raise NotImplementedYetError(
+        "zero.level %r across workers is not implemented yet in epl for variables whose "
+        "gradient is sparse (tf.IndexedSlices, from a tf.gather: %s); run ZeRO inside one "
+        "worker (each worker's copies), or unset zero.level" % (
+            config.zero.level, ", ".join(sorted(sparse)[:3])))
 
 
 def _gradients(recorder):
