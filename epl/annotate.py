@@ -164,6 +164,8 @@ class Recorder:
     self.variables = {}        # whole read of a split variable whose cut is not settled ->
                                # its relayout(scope, axis, sizes, shards)
     self.uses = {}             # sharded or split-variable tensor -> rules that read it
+    self.reductions = []       # (TaskGraph, "forward"/"backward", op name): where the parts'
+                               # partial results are summed (a tensor-parallel all-reduce)
     self.retired = set()       # names of variable ops a relayout replaced (no collection
                                # holds them; the plan leaves out them and what reads them)
     self.exchange_axes = {}    # op name -> batch axis of the values it exchanges between the

@@ -75,6 +75,12 @@ def test_a_transformer_split_over_parts_trains_the_local_model(tp):
   assert cuts["model/h0/ln_1/g"] == [((0,), (e,))]                    # whole
   assert cuts["model/h0/mlp/c_proj/b"] == [((0,), (e,))]
   assert cuts["model/wte"] == [((i * v // tp, 0), (v // tp, e)) for i in range(tp)]
+  # Megatron's count: 2 all-reduces forward and 2 backward per block; the embeddings' lookups
+  # (wte, wpe) forward, the tied logits' input backward
+  layers = gpt2_lm.LAYERS
+  assert dict(run.parallel.plan.reductions) == {0: (2 * layers + 2, 2 * layers + 1)}
+  assert "%d + %d all-reduce(s) of the parts" % (2 * layers + 2, 2 * layers + 1) in \
+      run.parallel.format()
 
 
 def _tp_stages(i):

@@ -101,7 +101,8 @@ def zero(ctx):
     tg = ctx.owner.get(get(name))
     here = job[k].client == worker.index
     j = local[k] if here else None
-    device = ctx.clones().op(j, get(name)).device if here else job[k].devices[tg][0]
+    device = ctx.clones().op(j, get(name)).device if here else \
+        job[k].devices[tg][plan.part_of(name)]
     for slot in (s for s, v in partitioned.items() if v == name):
       _move_slot(ctx, get(slot), get(name), j, device, updates[name], colocated.get(slot, []),
                  mirrored)

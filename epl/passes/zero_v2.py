@@ -149,7 +149,8 @@ def partition_across(ctx, owners, updates, partitioned, colocated, local):
     var = get(name)
     tg = ctx.owner.get(var)
     here = job[k].client == worker.index
-    device = ctx.clones().op(local[k], var).device if here else job[k].devices[tg][0]
+    device = ctx.clones().op(local[k], var).device if here else \
+        job[k].devices[tg][plan.part_of(name)]
     _place_once(ctx, name, device, partitioned, colocated, updates)
     dtype = tf.as_dtype(var.get_attr("dtype")).base_dtype
     buckets.setdefault((tg, dtype.name, job[k].client), []).append(name)

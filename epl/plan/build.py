@@ -95,6 +95,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   tgs = tuple(TaskGraphPlan(index=i, name=s.name, placement=placements[i], location=s.location,
                             ops=phases[i]) for i, s in enumerate(specs))
   parts, crossings = _split_facts(ops, rank, owner, phase, recorder, specs, placements)
+  reductions = _reductions(recorder, specs, {op.name for op in phase})
   copies = _layout(placements, config.cluster.colocate_split_and_replicate, cluster)
   runs = _accumulate_runs(config, placements, micro)
   if runs > 1:
@@ -108,7 +109,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
       gradients=gradients, shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
-      parts=parts, crossings=crossings, **common)
+      parts=parts, crossings=crossings, reductions=reductions, **common)
 
 
 def _attribute(graph, recorder, upto):
@@ -230,7 +231,6 @@ def _refuse_combinations(specs, placements, config, cluster):
           "number of the widest stage's copies; change device_count" % (mixed, max(counts)))
     together = [name for name, on in (
         ("epl.split", has_split), ("zero.level", config.zero.level),
-        ("amp.level", config.amp.level),
         ("gradient_checkpoint.type", config.gradient_checkpoint.type)) if on]
     if together:
       raise NotImplementedYetError(
@@ -299,6 +299,18 @@ def _layout(placements, colocate, cluster):
           tuple(group[o:o + p.devices]) if p.kind == SPLIT else
           (group[o + j // (shards // p.devices)],) for p, o in zip(placements, offsets))))
   return tuple(copies)
+
+
+def _reductions(recorder, specs, kept):
+  """{split TaskGraph (plan index): (forward, backward) tensor-parallel sums}; the ops a
+  relayout left unread do not count."""
+  index = {s.index: i for i, s in enumerate(specs)}
+  out = {}
+  for taskgraph, direction, op in recorder.reductions:
+    if op in kept and taskgraph in index:
+      fwd, bwd = out.get(index[taskgraph], (0, 0))
+      out[index[taskgraph]] = (fwd + 1, bwd) if direction == "forward" else (fwd, bwd + 1)
+  return out
 
 
 def _refuse_sparse_zero(gradients, config, cluster):

@@ -181,6 +181,10 @@ class ParallelPlan:
   has_gpu: bool = False
   parts: Mapping[str, int] = dataclasses.field(default_factory=dict)  # split op -> its part
   crossings: Tuple[Crossing, ...] = ()
+  # split TaskGraph -> (forward, backward) sums of the parts' partial results per micro-batch
+  # (tensor-parallel all-reduces: row-parallel matmuls and embedding lookups forward, the
+  # inputs of column-parallel ones backward)
+  reductions: Mapping[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
   memory: Memory = Memory()
   # gradient accumulation as session runs (graph.micro_batches): each user step is this many
   # runs of the graph's one copy per device, the update in the last; num_micro_batch is then 1

@@ -17,6 +17,10 @@ from epl.plan.placement import bridge
 from epl.plan.plan import Crossing
 from epl.sharding.rules import SUPPORTED
 
+# variables epl adds that every TaskGraph reads and that hold one value in every copy (the
+# dynamic loss scale: each copy updates it from the same synchronised gradients)
+SHARED_PREFIXES = ("epl_amp/",)
+
 
 class _Intervals:
   """Sorted, non-overlapping (first, last, value) rank intervals."""
@@ -137,6 +141,8 @@ def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
       variable = t.op if t.op.type in VARIABLE_OPS else (
           t.op.inputs[0].op if t.op.type in READ_OPS and t.op.inputs and
           t.op.inputs[0].op.type in VARIABLE_OPS else None)
+      if variable is not None and variable.name.startswith(SHARED_PREFIXES):
+        continue                       # every copy holds the same value: read it where it is
       if variable is not None:
         raise PlanError(
             "variable %r of TaskGraph %r is read by op %r of TaskGraph %r: a %s TaskGraph "

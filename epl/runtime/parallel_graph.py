@@ -76,6 +76,9 @@ class ParallelGraph:
         where = "; ".join("replica %d: parts on %s" % (
             self.worker.copies[c].replica, ", ".join(self.worker.copies[c].devices[t.index]))
             for c in range(self.num_copies) if self.worker.runs(c, t.index))
+        if t.index in self.plan.reductions:
+          where += "; %d + %d all-reduce(s) of the parts forward + backward per " \
+              "micro-batch" % self.plan.reductions[t.index]
       else:
         where = "devices " + ", ".join(self.worker.device_of(c, t.index)
                                        for c in range(self.num_copies)
@@ -129,6 +132,9 @@ class ParallelGraph:
                                         for c in plan.copies if c.shard == 0)
       else:
         where = "copies on " + ", ".join(place(d) for d in plan.group_of(t.index))
+      if t.index in plan.reductions:
+        where += "; %d + %d all-reduce(s) of the parts forward + backward per micro-batch" % (
+            plan.reductions[t.index])
       lines.append("  TaskGraph %d %r (%s): %s" % (t.index, t.name, t.placement, where))
     sync = self.sync_report
     if sync is not None and sync.buckets + sync.gathered:

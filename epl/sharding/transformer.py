@@ -33,7 +33,9 @@ def matmul(scope, op_type, build, kw, name):
     if pieces is not None:
       outs = per_part(scope, sa, lambda i: build(name=part_name(name, i), **dict(
           kw, a=sa.parts[i], b=pieces[i]))[0])
-      return [tf.add_n(outs, name=name)]
+      total = tf.add_n(outs, name=name)
+      scope.recorder.reductions.append((scope.taskgraph, "forward", total.op.name))
+      return [total]
   if sb is None:
     return None
   if sb.axis != out_b:
@@ -43,6 +45,8 @@ def matmul(scope, op_type, build, kw, name):
     kw, sb = dict(kw, b=again), scope.lookup(again)
   outs = per_part(scope, sb, lambda i: build(name=part_name(name, i), **dict(
       kw, b=sb.parts[i]))[0])               # column parallel (a whole: sent to every part)
+  if sa is None:                            # a's gradient: the parts' summed
+    scope.recorder.reductions.append((scope.taskgraph, "backward", outs[0].op.name))
   remake = layout.replayer(matmul, scope, op_type, build, kw, name,
                            lambda t, axis: out_b if t is kw["b"] and axis == 1 else None)
   return [scope.register(outs, 1, sb.sizes, name, sb.shards, remake)]
@@ -148,7 +152,9 @@ def gather(scope, op_type, build, kw, name):
     for _ in range(params.shape.rank - 1):
       mask = tf.expand_dims(mask, -1)
     return found * mask
-  return [tf.add_n(per_part(scope, sharded, lookup), name=name)]
+  total = tf.add_n(per_part(scope, sharded, lookup), name=name)
+  scope.recorder.reductions.append((scope.taskgraph, "forward", total.op.name))
+  return [total]
 
 
 def reshape_heads(scope, build, sharded, shape, rank, name):

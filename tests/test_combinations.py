@@ -1,0 +1,133 @@
+"""The feature-combination matrix (issue: the large-model recipe in one job): every pair of
+epl's features (tests/matrix_model.py) trains the local model -- 1e-5, AMP within its float16
+tolerance -- or is refused before training with its reason. ``EXPECTED`` is the matrix; the
+user guide prints it (test_the_user_guide_prints_this_matrix), and the recipe's whole set
+runs at once across two workers.
+"""
+import glob
+import itertools
+import os
+import re
+
+import numpy as np
+import pytest
+
+import epl
+from epl.errors import NotImplementedYetError
+from tests import matrix_model as mm
+from tests import split_models as sm
+from tests.test_multiworker import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS, STEPS = 8, 2
+FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
+WORKS = "works"
+ONE_KEY = "one key"              # ZeRO v1 / v2: two values of zero.level
+_MIXED = r"different device_count .* together with %s"
+_ZERO = r"zero.level .* is implemented for data parallelism .*%s"
+REFUSED = {                      # pair -> the refusal's reason (a regex of its message)
+    ("split", "offload"): r"offload.level .* with epl.split is not implemented",
+    ("split", "mixed"): _MIXED % "epl.split",
+    ("zero_v1", "offload"): _ZERO % "offload.level",
+    ("zero_v2", "offload"): _ZERO % "offload.level",
+    ("zero_v1", "apply_groups"): _ZERO % "optimizer.num_apply_group",
+    ("zero_v2", "apply_groups"): _ZERO % "optimizer.num_apply_group",
+    ("zero_v1", "mixed"): _MIXED % "zero.level",
+    ("zero_v2", "mixed"): _MIXED % "zero.level",
+    ("offload", "amp"): r"amp.level 'O1' together with offload.level",
+    ("checkpointing", "mixed"): _MIXED % "gradient_checkpoint.type",
+}
+PAIRS = list(itertools.combinations(mm.FEATURES, 2))
+
+
+def expected(pair):
+  if set(pair) == {"zero_v1", "zero_v2"}:
+    return ONE_KEY
+  return "refused" if pair in REFUSED else WORKS
+
+
+def _data():
+  return mm.data(ROWS * STEPS + 3)
+
+
+def _local(features):
+  return sm.train(lambda: mm.build(features, local=True), _data(), STEPS, ROWS)
+
+
+def _close(got, want, features, what):
+  rtol = FP16_RTOL if "amp" in features else 1e-5
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=what)
+
+
+@pytest.mark.parametrize("pair", [p for p in PAIRS if "dp_workers" not in p],
+                         ids="+".join)
+def test_a_pair_on_one_worker_trains_the_local_model_or_is_refused(pair):
+  if expected(pair) == ONE_KEY:
+    pytest.skip("one Config key")
+  local = _local(pair)
+  train = lambda: sm.train(lambda: mm.build(pair), _data(), STEPS, ROWS,   # noqa: E731
+                           config=epl.Config(mm.config(pair)), initial=local.initial)
+  if pair in REFUSED:
+    with pytest.raises(NotImplementedYetError, match=REFUSED[pair]):
+      train()
+    return
+  run = train()
+  for got, want in zip(run.fetched, local.fetched):
+    _close(got["loss"], want["loss"], pair, "loss")
+  for name, value in local.variables.items():
+    _close(run.variables[name], value, pair, name)
+  assert len(run.parallel.plan.copies) >= 2          # data parallel around every layout
+
+
+def _across_workers(features, tmp_path):
+  local = _local(features)
+  data = _data()
+  np.savez(tmp_path / "data.npz", x=data[0], y=data[1])
+  np.savez(tmp_path / "initial.npz", **local.initial)
+  worker = os.path.join(ROOT, "tests", "workers", "matrix_worker.py")
+  out = launch(["--num_workers", "2", "--gpu_per_worker", str(mm.replica_devices(features)),
+                "--log_dir", str(tmp_path / "logs"), worker, str(tmp_path), ",".join(features),
+                str(STEPS), str(ROWS)], timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  clients = [dict(np.load(p)) for p in sorted(glob.glob(str(tmp_path / "client*.npz")))]
+  assert len(clients) == 2
+  losses = np.mean([c["__loss__"] for c in clients], axis=0)   # each: the mean of its half
+  _close(losses, [f["loss"] for f in local.fetched], features, "loss")
+  for c in clients:
+    for name, value in local.variables.items():
+      _close(c[name], value, features, name)
+
+
+@pytest.mark.parametrize("pair", [p for p in PAIRS if "dp_workers" in p], ids="+".join)
+def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair, tmp_path):
+  assert expected(pair) == WORKS
+  _across_workers(pair, tmp_path)
+
+
+def test_the_recipe_set_at_once_across_workers_trains_the_local_model(tmp_path):
+  """DP across 2 workers x pipeline with micro-batches x split x ZeRO v1 x AMP O1 x
+  gradient checkpointing, in one job."""
+  _across_workers(("dp_workers", "pipeline", "split", "zero_v1", "amp", "checkpointing"),
+                  tmp_path)
+
+
+def matrix_markdown():
+  """The matrix as the user guide prints it."""
+  names = [mm.NAMES[f] for f in mm.FEATURES]
+  short = {WORKS: "yes", "refused": "refused", ONE_KEY: "-"}
+  rows = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  for a in mm.FEATURES:
+    cells = []
+    for b in mm.FEATURES:
+      pair = tuple(sorted((a, b), key=mm.FEATURES.index))
+      cells.append("" if a == b else short[expected(pair)])
+    rows.append("| %s | %s |" % (mm.NAMES[a], " | ".join(cells)))
+  return "\n".join(rows)
+
+
+def test_the_user_guide_prints_this_matrix():
+  guide = open(os.path.join(ROOT, "docs", "user_guide.md")).read()
+  assert matrix_markdown() in guide, "docs/user_guide.md: paste\n" + matrix_markdown()
+  for pair, reason in REFUSED.items():
+    assert re.search(re.escape(mm.NAMES[pair[0]]) + r".*" + re.escape(mm.NAMES[pair[1]]),
+                     guide), pair
