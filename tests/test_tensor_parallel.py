@@ -135,3 +135,67 @@ def test_the_3d_recipe_across_workers_trains_the_local_model(tmp_path, layout, d
   for c in clients:
     for name, value in local.variables.items():
       np.testing.assert_allclose(c[name], value, rtol=rtol, atol=rtol, err_msg=name)
+
+
+def _saved_or_restored(stage, config, directory, initial=None):
+  """The LM under ``config`` (None: the local script): trained STEPS steps from ``initial``
+  and saved to ``directory``, or (``initial`` None) restored from it; its whole values."""
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.set_random_seed(0)
+    if config is not None:
+      epl.init(epl.Config(config))
+    t = _build(stage, 2)
+    variables = tf.global_variables()
+    with tf.Session() as sess:
+      if initial is None:
+        tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(directory)))
+        return sm.whole_values(sess, variables)
+      sess.run(tf.global_variables_initializer())
+      sm.load_whole(sess, variables, initial)
+      data = _data()[0]
+      for s in range(STEPS):
+        sess.run(t["train_op"], {t["inputs"][0]: data[s * ROWS:(s + 1) * ROWS]})
+      tf.train.Saver().save(sess, str(directory / "model.ckpt"),
+                            global_step=tf.train.get_global_step())
+      return sm.whole_values(sess, variables)
+
+
+def test_a_3d_checkpoint_restores_into_the_local_script_and_a_data_parallel_layout(tmp_path):
+  """DP 2 x PP 2 x TP 2 with ZeRO v1 saves the local script's checkpoint: every weight
+  whole, every Adam slot once."""
+  local = _local(2)
+  saved = _saved_or_restored(_tp_stages, dict(RECIPE, **{"zero.level": "v1"}), tmp_path,
+                             local.initial)
+  assert saved["global_step"] == STEPS
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+  for stage, config in ((lambda i: contextlib.nullcontext(), None),
+                        (lambda i: epl.replicate(1, name="dp"),
+                         {"cluster.devices_per_worker": 2})):
+    restored = _saved_or_restored(stage, config, tmp_path)
+    assert sorted(restored) == sorted(saved)
+    for name, value in saved.items():
+      np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def _held(stage, config):
+  run = sm.train(lambda: _build(stage, 2), _data(), 1, ROWS, config=epl.Config(config),
+                 measure_memory=True)
+  devices = sorted(d for d in run.memory.devices() if d.startswith("/device:") and
+                   not d.endswith("CPU:0"))        # the accelerators, not the host
+  return [run.memory.held(d) for d in devices]
+
+
+def test_tensor_parallel_and_zero_divide_what_each_device_holds():
+  """epl.memory per device: TP 2 holds about half of DP's variables (each block's weights
+  and their Adam slots are cut in 2; layer norms and row-parallel biases are whole, on the
+  first part); ZeRO v1 over the 2 replicas also halves the slots."""
+  dp = _held(lambda i: epl.replicate(1, name="dp"), {"cluster.devices_per_worker": 2})
+  tp = _held(lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4})
+  zero = _held(lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4,
+                                                   "zero.level": "v1"})
+  assert len(dp) == 2 and len(tp) == 4 and dp[0] == dp[1] > 0
+  assert max(tp) <= 0.6 * dp[0] and min(tp) >= 0.4 * dp[0], (tp, dp)
+  assert max(zero) <= 0.45 * dp[0], (zero, dp)          # weights / 2 + slots / 4
+  assert sum(zero) < 0.7 * sum(tp), (zero, tp)

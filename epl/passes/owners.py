@@ -2,8 +2,8 @@
 its optimizer state (and with v2 the variable itself) -- computed once, before the gradient
 sync (v1 sums a gradient at its owner) and the zero pass read it.
 
-Per TaskGraph (a stage's devices), largest variable first, each to the lightest copy of the
-job. Deterministic: every worker finds the same. Returns ``Owners``.
+Per TaskGraph (a stage's devices) and part of a split one, largest variable first, each to
+the lightest copy of the job. Deterministic: every worker finds the same. Returns ``Owners``.
 """
 import dataclasses
 from typing import Dict, Tuple
@@ -51,7 +51,9 @@ def assign_owners(ctx):
       updates.setdefault(owner_of(var.name, trained), []).append(op)
   loads, owners = {}, {}
   for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
-    stage = loads.setdefault(ctx.owner.get(get(name)), [0] * len(job))
+    # per device of the stage: a split TaskGraph's parts each balance their own variables
+    stage = loads.setdefault((ctx.owner.get(get(name)), ctx.plan.part_of(name)),
+                             [0] * len(job))
     k = stage.index(min(stage))
     owners[name] = k
     stage[k] += _size(get(name))

@@ -17,7 +17,7 @@ import tensorflow.compat.v1 as tf
 import epl  # epl
 
 tf.disable_v2_behavior()
-VOCAB, CTX, EMBD, HEADS, LAYERS, BATCH, STEPS = 32, 16, 32, 4, 2, 8, 30
+VOCAB, CTX, EMBD, HEADS, LAYERS, BATCH, STEPS = 32, 16, 32, 4, 2, 8, 10
 
 epl.init(epl.Config({"pipeline.num_micro_batch": 4, "zero.level": "v1",  # epl
                      "gradient_checkpoint.type": "auto"}))  # epl
@@ -117,5 +117,5 @@ train_op = opt.apply_gradients(zip(clipped, tf.trainable_variables()),
 with tf.train.MonitoredTrainingSession() as sess:
   for step in range(1, STEPS + 1):
     value, _ = sess.run([loss, train_op])
-    if step % 5 == 0:
+    if step % 5 == 0:  # step 5, step 10
       print("step %d loss %.6f" % (step, value), flush=True)
