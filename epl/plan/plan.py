@@ -275,6 +275,7 @@ class ParallelPlan:
     raw["shared_variables"] = tuple(raw["shared_variables"])
     raw["communication"] = Communication(**raw["communication"])
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
+    raw["reductions"] = {int(t): tuple(n) for t, n in raw.get("reductions", {}).items()}
     memory = dict(raw.get("memory", {}))
     memory["checkpoints"] = tuple(memory.get("checkpoints", ()))
     raw["memory"] = Memory(**memory)
