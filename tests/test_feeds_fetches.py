@@ -1,4 +1,6 @@
 """What a run feeds and fetches under epl (docs/user_guide.md, "Feeds and fetches")."""
+import time
+
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
@@ -96,3 +98,30 @@ def test_a_fixed_size_placeholder_is_one_copys_batch(micro):
                      r"%d micro-batch\(es\): feed %d rows \(or 3 for a run that updates "
                      r"nothing\)" % (micro, rows)):
     ds.run(dt["train"], {dt["x"]: np.ones([4, 8]), dt["y"]: np.ones([4], np.int64)})
+
+
+def test_a_monitored_session_over_a_dataset_adds_no_op_after_its_first_step():
+  """MonitoredSession hands the fetches to Session.run in a dict (with its hooks'): epl's
+  step report built a new op for them on every run, the session's graph grew, and TF
+  compiled the whole graph again each step (seconds per step on a pipeline)."""
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2,
+                         "log.progress_secs": 1}))
+    rng = np.random.RandomState(0)
+    data = tf.data.Dataset.from_tensor_slices(
+        (rng.randn(64, 8).astype(np.float32), rng.randint(0, 4, 64))).batch(8).repeat()
+    x, y = tf.data.make_one_shot_iterator(data).get_next()
+    with epl.replicate(1, name="s0"):
+      h = tf.layers.dense(x, 16, activation=tf.nn.relu)
+    with epl.replicate(1, name="s1"):
+      loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 4))
+    train = tf.train.AdamOptimizer(0.01).minimize(
+        loss, global_step=tf.train.get_or_create_global_step())
+    counts = []
+    with tf.train.MonitoredTrainingSession() as sess:
+      for _ in range(4):
+        time.sleep(1.05)                        # a progress report is due every step
+        sess.run([loss, train])
+        counts.append(len(g.get_operations()))
+    assert counts[1] == counts[2] == counts[3], counts

@@ -41,17 +41,20 @@ _ELEMENTS = (tf.Tensor, tf.Operation, str, tf.Variable, tf.compat.v2.Variable)
 
 
 def _fetch_key(fetches, element_types):
-  """A hashable key for a fetch structure made of graph elements, else None.
+  """A hashable key for a fetch structure (lists, tuples and dicts -- MonitoredSession hands
+  its hooks' fetches in a dict -- of graph elements and names), else None.
   ``element_types``: the types already seen to be graph elements (isinstance checks against
   TF's abstract classes cost microseconds; this runs on every ``session.run``)."""
   kind = type(fetches)
   if kind is list or kind is tuple:
-    for f in fetches:
-      if type(f) not in element_types and not _learn(f, element_types):
-        return None
-    return (kind,) + tuple(fetches)
-  if kind in element_types or _learn(fetches, element_types):
-    return fetches
+    keys = tuple(_fetch_key(f, element_types) for f in fetches)
+    return None if None in keys else (kind,) + keys
+  if kind is dict:
+    keys = tuple((k, _fetch_key(v, element_types)) for k, v in sorted(
+        fetches.items(), key=lambda item: repr(item[0])))
+    return None if any(v is None for _, v in keys) else (kind,) + keys
+  if kind is str or fetches is None or kind in element_types or _learn(fetches, element_types):
+    return (kind, fetches)
   return None
 
 
@@ -145,10 +148,14 @@ class Progress:
     not read would pull a batch the local step never pulls (a GAN's generator step) -- or
     None. Cached per fetch structure, like ``trains_fetches``."""
     key = _fetch_key(fetches, self._element_types)
-    if key is not None and key in self._rows_by_fetches:
+    elements = None
+    if key is None:        # by what it fetches: a new op on every run would extend the
+      elements = flatten(graph, fetches)      # session's graph, and TF recompiles it
+      key = ("elements",) + tuple(sorted(getattr(e, "name", repr(e)) for e in elements))
+    if key in self._rows_by_fetches:
       return self._rows_by_fetches[key]
-    found = self._rows_of(flatten(graph, fetches))
-    if key is not None and len(self._rows_by_fetches) < 4096:
+    found = self._rows_of(flatten(graph, fetches) if elements is None else elements)
+    if len(self._rows_by_fetches) < 4096:
       self._rows_by_fetches[key] = found
     return found
 
