@@ -9,7 +9,7 @@
 # to the logits); nothing in it is epl's. How each weight is split follows from how it is
 # used (docs/user_guide.md, "Large models (3D)").
 #
-#   python train.py                                  # 1 worker, EPL_CLUSTER_DEVICES_PER_WORKER=4 (or 8)
+#   EPL_CLUSTER_DEVICES_PER_WORKER=8 python train.py   # 1 worker of 8 devices: 2 replicas
 #   epl-launch --num_workers 2 --gpu_per_worker 4 run.sh
 # The lines marked "epl" are all that parallelises the local script.
 import numpy as np
@@ -17,21 +17,23 @@ import tensorflow.compat.v1 as tf
 import epl  # epl
 
 tf.disable_v2_behavior()
-VOCAB, CTX, EMBD, HEADS, LAYERS, BATCH, STEPS = 32, 16, 32, 4, 2, 8, 10
+VOCAB, CTX, EMBD, HEADS, LAYERS, BATCH, STEPS = 32, 16, 32, 4, 2, 8, 30
 
 epl.init(epl.Config({"pipeline.num_micro_batch": 4, "zero.level": "v1",  # epl
                      "gradient_checkpoint.type": "auto"}))  # epl
 
 
-def stage(i):
-  return epl.split(device_count=2, name="stage%d" % i)  # epl
-
-
 rng = np.random.RandomState(0)
 starts, strides = rng.randint(0, VOCAB, 256), rng.randint(1, 4, 256)
-tokens = (starts[:, None] + strides[:, None] * np.arange(CTX + 1)) % VOCAB
-dataset = tf.data.Dataset.from_tensor_slices(tokens.astype(np.int32))
-context = tf.data.make_one_shot_iterator(dataset.batch(BATCH).repeat()).get_next()
+tokens = ((starts[:, None] + strides[:, None] * np.arange(CTX + 1)) % VOCAB).astype(np.int32)
+context = tf.placeholder(tf.int32, [None, CTX + 1], name="context")   # as gpt-2's train.py
+
+
+def sample_batch(step):
+  return tokens[step * BATCH % len(tokens):][:BATCH]
+
+
+SEEDS = iter(range(1, 1000))   # seeded initializers: the same first weights under epl and alone
 
 
 def shape_list(x):
@@ -52,7 +54,8 @@ def norm(x, scope, epsilon=1e-5):
 def conv1d(x, scope, nf):
   with tf.variable_scope(scope):
     *start, nx = shape_list(x)
-    w = tf.get_variable("w", [1, nx, nf], initializer=tf.random_normal_initializer(stddev=0.1))
+    w = tf.get_variable("w", [1, nx, nf],
+                        initializer=tf.random_normal_initializer(stddev=0.1, seed=next(SEEDS)))
     b = tf.get_variable("b", [nf], initializer=tf.constant_initializer(0))
     return tf.reshape(tf.matmul(tf.reshape(x, [-1, nx]), tf.reshape(w, [-1, nf])) + b,
                       start + [nf])
@@ -96,12 +99,13 @@ def positions(seq):
 
 inputs, targets = context[:, :-1], context[:, 1:]
 batch, seq = shape_list(inputs)
-with stage(0):
-  wte = tf.get_variable("wte", [VOCAB, EMBD], initializer=tf.random_normal_initializer(stddev=0.3))
+with epl.split(device_count=2, name="stage0"):  # epl
+  wte = tf.get_variable("wte", [VOCAB, EMBD],
+                        initializer=tf.random_normal_initializer(stddev=0.3, seed=next(SEEDS)))
   h = tf.gather(wte, inputs) + positions(seq)
   for layer in range(LAYERS // 2):
     h = block(h, "h%d" % layer)
-with stage(1):
+with epl.split(device_count=2, name="stage1"):  # epl
   for layer in range(LAYERS // 2, LAYERS):
     h = block(h, "h%d" % layer)
   h = norm(h, "ln_f")
@@ -116,6 +120,6 @@ train_op = opt.apply_gradients(zip(clipped, tf.trainable_variables()),
 
 with tf.train.MonitoredTrainingSession() as sess:
   for step in range(1, STEPS + 1):
-    value, _ = sess.run([loss, train_op])
-    if step % 5 == 0:  # step 5, step 10
+    value, _ = sess.run([loss, train_op], {context: sample_batch(step)})
+    if step % 5 == 0:
       print("step %d loss %.6f" % (step, value), flush=True)
