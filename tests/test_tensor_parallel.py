@@ -199,3 +199,10 @@ def test_tensor_parallel_and_zero_divide_what_each_device_holds():
   assert max(tp) <= 0.6 * dp[0] and min(tp) >= 0.4 * dp[0], (tp, dp)
   assert max(zero) <= 0.45 * dp[0], (zero, dp)          # weights / 2 + slots / 4
   assert sum(zero) < 0.7 * sum(tp), (zero, tp)
+
+
+def test_heads_that_do_not_divide_over_the_parts_are_one_clear_error():
+  with pytest.raises(epl.errors.PlanError, match=r"into 2 heads of 8: every part must hold "
+                                                 r"whole heads; give epl.split a device_count"):
+    sm.train(lambda: _build(lambda i: epl.split(4, name="tp"), 2), _data(), 1, ROWS,
+             config=epl.Config({"cluster.devices_per_worker": 4}))
