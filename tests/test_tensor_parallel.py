@@ -6,14 +6,18 @@ rows, Q/K/V in groups with whole heads per part, layer norms whole, the tied emb
 vocabulary rows."""
 import contextlib
 import functools
+import importlib.util
+import itertools
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.plan import picture
 from tests import split_models as sm
 from tests.real_scripts import gpt2_lm
 from tests.test_multiworker import launch
@@ -34,6 +38,13 @@ def _cuts(graph):
     if info is not None:
       out.setdefault(info.full_name, []).append((tuple(info.var_offset), tuple(info.var_shape)))
   return {k: sorted(v) for k, v in out.items()}
+
+
+def _part_devices(graph, name):
+  """The devices of the parts of the split variable ``name``."""
+  return {v.op.device for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)
+          if v._get_save_slice_info() is not None and   # pylint: disable=protected-access
+          v._get_save_slice_info().full_name == name}     # pylint: disable=protected-access
 
 
 def _data():
@@ -75,6 +86,9 @@ def test_a_transformer_split_over_parts_trains_the_local_model(tp):
   assert cuts["model/h0/ln_1/g"] == [((0,), (e,))]                    # whole
   assert cuts["model/h0/mlp/c_proj/b"] == [((0,), (e,))]
   assert cuts["model/wte"] == [((i * v // tp, 0), (v // tp, e)) for i in range(tp)]
+  # each part on its own device (one model copy: placed all the same)
+  for name in ("model/h0/mlp/c_fc/w", "model/h0/mlp/c_proj/w", "model/wte"):
+    assert len(_part_devices(run.graph, name)) == tp, (name, _part_devices(run.graph, name))
   # Megatron's count: 2 all-reduces forward and 2 backward per block; the embeddings' lookups
   # (wte, wpe) forward, the tied logits' input backward
   layers = gpt2_lm.LAYERS
@@ -101,13 +115,25 @@ FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32
      dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto",
                      "amp.level": "O1"}), FP16_RTOL),
 ])
-def test_the_3d_recipe_on_one_worker_trains_the_local_model(layout, stage, config, rtol):
+def test_the_3d_recipe_on_one_worker_trains_the_local_model(tmp_path, layout, stage, config,
+                                                            rtol):
   """Tensor parallel inside pipeline stages, data parallel around them, with ZeRO, gradient
   checkpointing and AMP: 8 devices of one worker."""
   run = _parity(stage, config, rtol=rtol)
-  assert len(run.parallel.plan.copies) == 2, layout            # DP 2 around the parts
-  stages = run.parallel.plan.taskgraphs
-  assert [t.placement.kind for t in stages] == ["split"] * len(stages), layout
+  plan = run.parallel.plan
+  assert len(plan.copies) == 2, layout            # DP 2 around the parts
+  stages = [t.name for t in plan.taskgraphs]
+  assert [t.placement.kind for t in plan.taskgraphs] == ["split"] * len(stages), layout
+  # the plan's picture: each device holds one (stage, part, replica)
+  labels = picture.device_labels(plan)
+  held = sorted(re.match(r"(\w+) · part (\d)/2 \(replica (\d)\)", text).groups()
+                for d in labels for _, text in labels[d])
+  assert held == sorted(itertools.product(stages, "01", "01")), labels
+  assert len(labels) == len(held), labels
+  if importlib.util.find_spec("matplotlib"):
+    devices = config["cluster.devices_per_worker"]
+    assert run.parallel.draw(str(tmp_path / "plan.png")) == (round((1.6 + 2.4 * devices) * 100),
+                                                             round((1.4 + 1.6) * 100))
 
 
 @pytest.mark.parametrize("layout,devices,stages,config,rtol", [

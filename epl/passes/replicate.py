@@ -62,9 +62,10 @@ def replicate(ctx):
   analysis = ctx.result("analyze")
   n, k = worker.num_copies, plan.shards
   if n > 1 or len(plan.taskgraphs) > 1 or plan.worker_num > 1 or plan.micro_batches > 1 \
-      or analysis.split_ops:
-    # One copy of one TaskGraph is the local script: TF's placer already puts it on the first
-    # accelerator, and explicit placement would only add host <-> device edges.
+      or any(plan.is_split(t.index) for t in plan.taskgraphs):
+    # One copy of one replicated TaskGraph is the local script: TF's placer already puts it
+    # on the first accelerator, and explicit placement would only add host <-> device edges.
+    # A split TaskGraph has its parts on several devices even in one copy.
     place_copy0 = device_function(ctx, 0)
     for op in analysis.cloned:
       compat.set_device(op, place_copy0(op))

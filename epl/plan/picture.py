@@ -50,7 +50,7 @@ def draw(plan, path):
   width, height = size_inches(plan)
   fig, ax = plt.subplots(figsize=(width, height))
   centre = {d: (1.2 + 2.4 * col, -1.6 * row) for d, (row, col) in where.items()}
-  labels = _labels(plan)
+  labels = device_labels(plan)
   for d, (x, y) in centre.items():
     tg = labels[d][0][0]
     ax.add_patch(plt.Rectangle((x - 1.05, y - 0.55), 2.1, 1.1, facecolor=COLOURS[tg % 7],
@@ -76,7 +76,7 @@ def draw(plan, path):
   return round(width * DPI), round(height * DPI)
 
 
-def _labels(plan):
+def device_labels(plan):
   """{device: [(TaskGraph, what it holds there)]}."""
   labels = {}
   for i, copy in enumerate(plan.copies):
@@ -108,10 +108,11 @@ def _draw_groups(ax, plan, centre):
 
 
 def _draw_handoffs(ax, plan, centre):
-  """The pipeline hand-offs inside a copy: an arrow from each stage's device to the next's."""
+  """The pipeline hand-offs inside a copy: an arrow from each stage's (first) device to the
+  next's; a split stage runs once per replica, with its replica's first copy."""
   for copy in plan.copies:
-    if any(plan.is_split(t) for t in range(len(copy.devices))):
-      continue                                    # split boundaries: gathers / scatters
+    if copy.shard and any(plan.is_split(t) for t in range(len(copy.devices))):
+      continue
     for a, b in zip(copy.devices, copy.devices[1:]):
       (x0, y0), (x1, y1) = centre[a[0]], centre[b[0]]
       if (x0, y0) != (x1, y1):
