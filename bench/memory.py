@@ -16,13 +16,18 @@ the traced peak of one step's allocations on it) and, for checkpointing, the pro
   zero         zero.level v0, v1 and v2 vs none: the MLP with Adam, data parallel on 2 and 4
                devices: the variables each device holds (v0: weights + its share of the
                slots; v2: its share of both), the traced step peak, the step time
+  tp           the GPT-2-style LM of bench/transformer.py (2 blocks, hidden 256, Adam): the
+               bytes of the blocks' weights, of all weights and of Adam's slots on the
+               fullest device, DP 2 vs TP 2 (epl.split(2)), and TP 2 x DP 2 with zero.level
+               v1 vs without
 
 usage: python bench/memory.py [--width 1024] [--layers 4] [--batch 256] [--steps 10]
-                              [--only offload,groups,checkpoint,zero]
+                              [--only offload,groups,checkpoint,zero,tp]
 """
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -198,6 +203,57 @@ def checkpointing(steps):
                                gc["step"] / base["step"], diff))
 
 
+# ---- tensor parallelism and ZeRO on a transformer -----------------------------------------
+BLOCK = re.compile(r"(^|/)h\d+/")
+
+
+def lm_bytes(devices, keys):
+  """[(block weights, all weights, all Adam slots)] bytes held on each accelerator after the
+  rewrite."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from transformer import lm      # pylint: disable=import-outside-toplevel
+  sizes = argparse.Namespace(layers=2, embd=256, heads=8, vocab=4096, ctx=32)
+  kind = keys.pop("_scope")
+  graph = tf.Graph()
+  with graph.as_default():
+    epl.init(epl.Config(dict({"cluster.devices_per_worker": devices, "log.level": "warning"},
+                             **keys)))
+    scope = (lambda i: epl.split(2, name="tp")) if kind == "split" else \
+        (lambda i: epl.replicate(1, name="dp"))
+    context, _, train_op = lm(tf, scope, sizes, 1)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train_op, {context: np.zeros([4, sizes.ctx + 1], np.int32)})
+      held = epl.memory.initialised(sess)      # ZeRO: a slot's unused copies never allocate
+    slots = [op for op in held if "Adam" in op.name.split("/")[-1] or "/Adam" in op.name]
+    weights = [op for op in held if op not in slots and "power" not in op.name]
+    blocks = [op for op in weights if BLOCK.search(op.name)]
+    counts = [epl.memory.variable_bytes(graph, ops) for ops in (blocks, weights, slots)]
+  accelerators = sorted(d for d in counts[1] if not d.endswith("CPU:0") and d.startswith("/"))
+  return [tuple(c.get(d, 0) for c in counts) for d in accelerators]
+
+
+def tensor_parallel():
+  print("\ntensor parallelism and ZeRO: the LM of bench/transformer.py (2 blocks, hidden 256, "
+        "vocabulary 4096), Adam; bytes on the fullest device")
+  layouts = (("DP 2", 2, {"_scope": "replicate"}), ("TP 2", 2, {"_scope": "split"}),
+             ("TP 2 x DP 2", 4, {"_scope": "split"}),
+             ("TP 2 x DP 2 + ZeRO v1", 4, {"_scope": "split", "zero.level": "v1"}))
+  fullest = {}
+  for name, devices, keys in layouts:
+    per_device = lm_bytes(devices, dict(keys))
+    fullest[name] = [max(d[i] for d in per_device) for i in range(3)]
+    print("  %-22s %d devices: block weights %5.2f MiB, all weights %5.2f MiB, Adam slots "
+          "%5.2f MiB" % ((name, devices) + tuple(b / MiB for b in fullest[name])))
+  ratio = lambda a, b, i: fullest[a][i] / fullest[b][i]     # noqa: E731
+  print("  TP 2 / DP 2: block weights %.2f (ideal 0.50: the layer norms and row-parallel "
+        "biases stay whole, on the first part), all weights %.2f, slots %.2f" % tuple(
+            ratio("TP 2", "DP 2", i) for i in range(3)))
+  print("  ZeRO v1 over DP 2 (TP 2 x DP 2 + ZeRO v1 / TP 2 x DP 2): weights %.2f (ideal "
+        "1.00), slots %.2f (ideal 0.50)" % (ratio("TP 2 x DP 2 + ZeRO v1", "TP 2 x DP 2", 1),
+                                             ratio("TP 2 x DP 2 + ZeRO v1", "TP 2 x DP 2", 2)))
+
+
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == "--checkpoint-child":
     return checkpoint_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
@@ -206,11 +262,13 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--only", default="offload,groups,checkpoint,zero")
+  parser.add_argument("--only", default="offload,groups,checkpoint,zero,tp")
   args = parser.parse_args()
   only = set(args.only.split(","))
   if "checkpoint" in only:
     checkpointing(3)
+  if "tp" in only:
+    tensor_parallel()
   if not only & {"offload", "groups", "zero"}:
     return
   print("\nMLP %d x %d, batch %d, %d timed steps" % (args.layers, args.width, args.batch,

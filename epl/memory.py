@@ -144,10 +144,10 @@ def measure(sess, fetches, feed_dict=None):
   options = tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE, output_partition_graphs=True)
   metadata = tf.RunMetadata()
   sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
-  return MemoryReport(variable_bytes(sess.graph, _initialised(sess)), step_peaks(metadata))
+  return MemoryReport(variable_bytes(sess.graph, initialised(sess)), step_peaks(metadata))
 
 
-def _initialised(sess):
+def initialised(sess):
   """The variable ops that hold memory (are initialised), or None when the graph is
   finalized (then every variable counts). A variable never initialised never allocated: an
   unused copy of an optimizer slot under ZeRO, for one."""
