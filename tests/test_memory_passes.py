@@ -3,12 +3,14 @@ the local model, and each shows the memory it saves (epl.memory per device)."""
 import contextlib
 import functools
 import re
+import types
 
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.passes import grad_sync
 from tests import split_models as sm
 
 FEATURES, ROWS, STEPS = 12, 8, 5
@@ -265,3 +267,20 @@ def test_zero_combinations_not_built_are_refused_before_the_rewrite(keys, worker
     with pytest.raises(NotImplementedYetError, match=r"zero.level .* is implemented for data "
                        r"parallelism \(on one or several workers\).*" + refused):
       build_plan(g, state.recorder, state.config, cluster)
+
+
+def test_zero_v1_across_workers_reduce_scatters_only_gradients_nothing_else_combines():
+  """zero.level v1 across workers reduce-scatters the gradients: each worker then holds the
+  sums of its own variables only. An op that reads several variables' gradients (clipping's
+  global norm, a merged summary) would read other workers' unreduced ones: grad_sync then
+  all-reduces them (grad_sync._combined tells the two apart)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    a, b = tf.Variable(tf.ones([3])), tf.Variable(tf.ones([2]))
+    loss = tf.reduce_sum(a * a) + tf.reduce_sum(b)
+    grads = tf.gradients(loss, [a, b])
+    plain = [types.SimpleNamespace(grad=g, variable=v.op.name) for g, v in zip(grads, [a, b])]
+    tf.train.AdamOptimizer(0.1).apply_gradients(zip(grads, [a, b]))
+    assert not grad_sync._combined(plain)         # pylint: disable=protected-access
+    tf.clip_by_global_norm(grads, 1.0)
+    assert grad_sync._combined(plain)             # pylint: disable=protected-access

@@ -121,6 +121,10 @@ def _reduce(ctx, items, report):
   owners = ctx.result("owners").owners if plan.memory.zero.partitions_gradients or across_v2 \
       else {}
   scatter = bool(owners) and len(plan.clients) > 1
+  if scatter and not across_v2 and _combined(items):
+    # a value computed from several variables' gradients (clip_by_global_norm's norm) needs
+    # every gradient reduced on every worker: all-reduce them (the slots stay partitioned)
+    owners, scatter = {}, False
   train = _train_ops(ctx, items)
   for item in items:
     if isinstance(item.grad, tf.IndexedSlices) and not plan.communication.sparse_as_dense:
@@ -150,6 +154,24 @@ def _reduce(ctx, items, report):
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
+
+
+def _combined(items):
+  """True when an op reads (through data edges) the gradients of two or more variables, like
+  a global norm for clipping."""
+  reached = {}                       # op -> the variable whose gradient reaches it
+  for item in items:
+    work = [t.op for t in parts_of(item.grad)]
+    while work:
+      for out in work.pop().outputs:
+        for reader in out.consumers():
+          if reached.get(reader) == item.variable:
+            continue
+          if reader in reached:
+            return True
+          reached[reader] = item.variable
+          work.append(reader)
+  return False
 
 
 def _train_ops(ctx, items):

@@ -314,7 +314,9 @@ def _reductions(recorder, specs, kept):
 
 
 def _refuse_sparse_zero(gradients, config, cluster):
-  """NotImplementedYetError for ZeRO across workers with a sparse gradient (an embedding's)."""
+  """NotImplementedYetError for ZeRO across workers with a sparse gradient (an embedding's):
+  TF's collective setup fails or a step is aborted ("Cleanup") under load; inside one
+  worker it works."""
   sparse = [g.variable for g in gradients if len(g.applied or g.tensors) > 1]
   if config.zero.level and cluster.worker_num > 1 and sparse:
     raise NotImplementedYetError(
