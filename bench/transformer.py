@@ -173,8 +173,8 @@ def main():
   flags = ["--%s=%d" % (f, getattr(args, f)) for f in
            ("layers", "embd", "heads", "vocab", "ctx", "batch", "steps")]
   results = {}
-  print("\n%-30s %8s %10s %14s %14s %22s" % ("layout", "copies", "ms/step",
-                                              "vars/device", "step peak", "TP all-reduces/step"))
+  print("\n%-30s %8s %10s %14s %14s %30s" % (
+      "layout", "copies", "ms/step", "vars/device", "step peak", "TP all-reduces/step/replica"))
   for name in args.only.split(","):
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name] + flags,
                          capture_output=True, text=True, check=False)
@@ -184,7 +184,7 @@ def main():
     r = results[name] = json.loads(out.stdout.strip().splitlines()[-1])
     reduces = "-" if not r["megatron"] else "%d+%d (Megatron %d+%d)" % (
         r["forward"], r["backward"], r["megatron"], r["megatron"])
-    print("%-30s %8d %10.0f %10.1f MiB %10.1f MiB %22s" % (
+    print("%-30s %8d %10.0f %10.1f MiB %10.1f MiB %30s" % (
         name, r["copies"], r["step"] * 1e3, r["held"] / MiB, r["peak"] / MiB, reduces))
   if "DP 8" in results:
     base = results["DP 8"]
