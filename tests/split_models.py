@@ -204,15 +204,20 @@ def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),
   return run
 
 
-def check_parts_placed(graph):
-  """A split variable's parts sit on several devices (a split that runs all its
-  parts on one device trains the same numbers: parity alone cannot see it)."""
+def part_devices(graph):
+  """{split variable's full name: the device of each of its parts}."""
   parts = {}
   for var in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
     info = var._get_save_slice_info()     # pylint: disable=protected-access
     if info is not None:
       parts.setdefault(info.full_name, []).append(var.op.device)
-  for name, devices in parts.items():
+  return parts
+
+
+def check_parts_placed(graph):
+  """A split variable's parts sit on several devices (a split that runs all its parts on
+  one device trains the same numbers: parity alone cannot see it)."""
+  for name, devices in part_devices(graph).items():
     if len(devices) > 1:
       # several devices (a weight cut in groups, Q/K/V, has a part of each group on each)
       assert len(set(devices)) > 1 and all(devices), (name, devices)

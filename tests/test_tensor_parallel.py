@@ -40,13 +40,6 @@ def _cuts(graph):
   return {k: sorted(v) for k, v in out.items()}
 
 
-def _part_devices(graph, name):
-  """The devices of the parts of the split variable ``name``."""
-  return {v.op.device for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)
-          if v._get_save_slice_info() is not None and   # pylint: disable=protected-access
-          v._get_save_slice_info().full_name == name}     # pylint: disable=protected-access
-
-
 def _data():
   return (gpt2_lm.make_data(ROWS * STEPS + 3)["context"],)
 
@@ -88,7 +81,8 @@ def test_a_transformer_split_over_parts_trains_the_local_model(tp):
   assert cuts["model/wte"] == [((i * v // tp, 0), (v // tp, e)) for i in range(tp)]
   # each part on its own device (one model copy: placed all the same)
   for name in ("model/h0/mlp/c_fc/w", "model/h0/mlp/c_proj/w", "model/wte"):
-    assert len(_part_devices(run.graph, name)) == tp, (name, _part_devices(run.graph, name))
+    devices = set(sm.part_devices(run.graph)[name])
+    assert len(devices) == tp, (name, devices)
   # Megatron's count: 2 all-reduces forward and 2 backward per block; the embeddings' lookups
   # (wte, wpe) forward, the tied logits' input backward
   layers = gpt2_lm.LAYERS
