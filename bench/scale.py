@@ -119,7 +119,7 @@ def child(spec):
     driver.rewrite = timed
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "pipeline.num_micro_batch": micro, "log.progress_secs": 0,
-                         "graph.grappler": spec.get("grappler", "on"),
+                         "graph.grappler": spec.get("grappler", "auto"),
                          **({"graph.micro_batches": spec.get("micro_batches", "auto")}
                             if micro > 1 else {})}))
     if stages == 1:
@@ -172,7 +172,7 @@ def main():
   p.add_argument("--layouts", default=",".join(LAYOUTS))
   p.add_argument("--bert", action="store_true")
   p.add_argument("--steps", type=int, default=5)
-  p.add_argument("--grappler", default="on", choices=["on", "off", "auto"],
+  p.add_argument("--grappler", default="auto", choices=["on", "off", "auto"],
                  help="epl's graph.grappler key for the epl layouts")
   p.add_argument("--micro-batches", default="auto", choices=["auto", "runs", "clones"],
                  help="epl's graph.micro_batches key for the layouts with micro-batches")

@@ -91,7 +91,7 @@ KEYS = {k.name: k for k in [
     _k("amp.dtype", "str", "float16", ("float16", "bfloat16"),
        help="the low precision of amp.level O1 (bfloat16: no loss scaling needed)",
        requires="amp.level"),
-    _k("graph.grappler", "str", "on", ("on", "off", "auto"),
+    _k("graph.grappler", "str", "auto", ("on", "off", "auto"),
        help="TF's graph optimizer (Grappler) in sessions on epl's graph; off: its whole-graph "
             "passes are skipped (the first step of a cloned graph compiles ~8x faster here); "
             "auto: off where the worker's graph holds several model copies or micro-batches",

@@ -266,7 +266,7 @@ def test_zero_combinations_not_built_are_refused_before_the_rewrite(keys, worker
   g = tf.Graph()
   with g.as_default():
     epl.init(config(1, **keys))
-    _mlp("adam", (8,), 4, FEATURES, True)
+    _mlp("adam", (8,), 4, FEATURES, True, True)
     state = epl.Env.get()._state
     cluster = Cluster(tuple("h%d:1" % w for w in range(workers)), 0, 1, False)
     with pytest.raises(NotImplementedYetError, match=r"zero.level .* is implemented for data "

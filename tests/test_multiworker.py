@@ -54,16 +54,26 @@ ZERO_V1 = {"EPL_ZERO_LEVEL": "v1", "EPL_LOG_LEVEL": "debug"}
 ZERO_V1_ACCUMULATE = dict(ZERO_V1, EPL_PIPELINE_NUM_MICRO_BATCH="2")
 ZERO_V2 = {"EPL_ZERO_LEVEL": "v2", "EPL_LOG_LEVEL": "debug"}
 ZERO_V2_ACCUMULATE = dict(ZERO_V2, EPL_PIPELINE_NUM_MICRO_BATCH="2")
+# clip_by_global_norm reads every gradient: each worker's norm must be of the reduced ones.
+# It binds (local_run checks that the unclipped run differs), and the learning rate makes a
+# wrong norm visible at 1e-5 (at 0.01 the clipped steps are too small to show it)
+CLIP = {"TEST_CLIP_NORM": "0.3", "TEST_LR": "0.3"}
+ZERO_V1_CLIP = dict(ZERO_V1, **CLIP)
+ZERO_V2_CLIP = dict(ZERO_V2, **CLIP)
 
 
-def local_run(tmp_path, model, global_batch, steps, seed, every_step=False, alternate=False):
+def local_run(tmp_path, model, global_batch, steps, seed, every_step=False, alternate=False,
+              clip_norm=None, lr=0.01):
   """The single-device run the workers are compared with; writes the data and its initial
   values where dp_worker.py reads them."""
   rng = np.random.RandomState(seed)
   x = rng.randn(steps * global_batch, 8).astype(np.float32)
   y = rng.randint(0, 4, steps * global_batch).astype(np.int64)
   local = run_model(model, (x, y), global_batch, steps, every_step=every_step,
-                    alternate=alternate)
+                    alternate=alternate, clip_norm=clip_norm, lr=lr)
+  if clip_norm is not None:                 # the clip binds: without it, another model
+    free = run_model(model, (x, y), global_batch, steps, initial=local.initial, lr=lr)
+    assert not np.allclose(free.losses[1:], local.losses[1:], rtol=1e-4), local.losses
   np.savez(tmp_path / "data.npz", x=x, y=y)
   np.savez(tmp_path / "initial.npz", **local.initial)
   return local
@@ -103,20 +113,26 @@ def test_zero_v2_a_read_after_a_step_sees_every_owners_update(tmp_path, model, a
 
 @pytest.mark.parametrize("workers,devices,env", [
     (2, 1, None), (2, 2, None), (2, 2, MEMORY_PASSES), (2, 1, COMMUNICATION), (2, 2, AMP),
-    (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1), (2, 2, ZERO_V1),
-    (2, 2, ZERO_V1_ACCUMULATE), (2, 1, ZERO_V2), (2, 2, ZERO_V2), (2, 2, ZERO_V2_ACCUMULATE),
+    (2, 1, ZERO), (2, 2, ZERO), (2, 2, ZERO_ACCUMULATE), (2, 1, ZERO_V1_CLIP), (2, 2, ZERO_V1),
+    (2, 2, ZERO_V1_ACCUMULATE), (2, 1, ZERO_V2_CLIP), (2, 2, ZERO_V2),
+    (2, 2, ZERO_V2_ACCUMULATE),
     (2, 2, PIECES), (2, 1, PIECES_FP16)],
     ids=["2x1", "2x2", "2x2 checkpointing+offload+apply groups",
          "2x1 fp16 buckets on 3 channels", "2x2 amp O1 dynamic loss scale",
-         "2x1 zero v0", "2x2 zero v0", "2x2 zero v0 with 2 micro-batches", "2x1 zero v1",
-         "2x2 zero v1", "2x2 zero v1 with 2 micro-batches", "2x1 zero v2", "2x2 zero v2",
+         "2x1 zero v0", "2x2 zero v0", "2x2 zero v0 with 2 micro-batches",
+         "2x1 zero v1 clipped by the global norm", "2x2 zero v1",
+         "2x2 zero v1 with 2 micro-batches", "2x1 zero v2 clipped by the global norm",
+         "2x2 zero v2",
          "2x2 zero v2 with 2 micro-batches", "2x2 all-reduce in pieces",
          "2x1 all-reduce in pieces in float16"])
 def test_multiworker_parity(tmp_path, workers, devices, env):
   steps, batch = 5, 4
   micro = int((env or {}).get("EPL_PIPELINE_NUM_MICRO_BATCH", 1))
   global_batch = workers * devices * batch * micro
-  local = local_run(tmp_path, models.mlp, global_batch, steps, seed=1)
+  clip = (env or {}).get("TEST_CLIP_NORM")
+  local = local_run(tmp_path, models.mlp, global_batch, steps, seed=1,
+                    clip_norm=float(clip) if clip else None,
+                    lr=float((env or {}).get("TEST_LR", 0.01)))
   out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
                 "--log_dir", str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps),
                 str(batch)], env=env)
@@ -127,20 +143,25 @@ def test_multiworker_parity(tmp_path, workers, devices, env):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()
       for result in ("Recomputed(", "Offloaded(", "ApplyGroups("):
         assert result in log, log[-3000:]
-  zeros = (ZERO, ZERO_ACCUMULATE, ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V2, ZERO_V2_ACCUMULATE)
+  zeros = (ZERO, ZERO_ACCUMULATE, ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V1_CLIP, ZERO_V2,
+           ZERO_V2_ACCUMULATE, ZERO_V2_CLIP)
   if env in zeros:                                # slots shared out over the job's copies
     for r in results:
       assert sorted(set(r["__zero_owners__"])) == list(range(workers * devices))
-  if env in (ZERO_V2, ZERO_V2_ACCUMULATE):  # each weight on its owner's task only
+  if env in (ZERO_V2, ZERO_V2_ACCUMULATE, ZERO_V2_CLIP):  # each weight on its owner's task
     total = int(results[0]["__weights_total__"])
     held = [int(r["__weights_here__"]) for r in results]
     assert sum(held) == total and max(held) < total, (held, total)
-  if env in zeros[2:]:               # gradients reach their owners by a reduce-scatter
+  if env in (ZERO_V1, ZERO_V1_ACCUMULATE, ZERO_V2, ZERO_V2_ACCUMULATE):
+    # gradients reach their owners by a reduce-scatter
     # (an all-to-all of the owners' chunks on CPU)
     # v2: and one scalar all-reduce ends the step job-wide (zero_v2._step_end)
     ends = [1] if env in (ZERO_V2, ZERO_V2_ACCUMULATE) else []
     for r in results:
       assert r["__exchanges__"] >= 1 and list(r["__reduce_sizes__"]) == ends, r
+  if env in (ZERO_V1_CLIP, ZERO_V2_CLIP):  # the norm reads every gradient: all-reduced
+    for r in results:
+      assert r["__exchanges__"] == 0 and len(r["__reduce_sizes__"]) >= 1, r
   if env is AMP:
     for w in range(workers):
       log = (tmp_path / "logs" / ("worker_%d.log" % w)).read_text()

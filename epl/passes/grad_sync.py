@@ -47,6 +47,10 @@ class SyncReport:
   collective_ops: List[tf.Operation]
   # zero.level v1 across workers: (TaskGraph, dtype) -> the op of this worker's reduced chunk
   exchanged: Dict[Tuple[int, str], tf.Operation] = dataclasses.field(default_factory=dict)
+  # zero.level v2 across workers whose gradients are all-reduced (_combined): variable -> an
+  # op that runs once its all-reduce ran on every local device (what a worker that does not
+  # own the variable runs instead of its update)
+  reduced: Dict[str, tf.Operation] = dataclasses.field(default_factory=dict)
   streamed: List[str] = dataclasses.field(default_factory=list)   # each also its own bucket
   # graph.micro_batches "runs": the sums over a step's runs (run_sums.RunSums), or None
   sums: object = None
@@ -121,9 +125,10 @@ def _reduce(ctx, items, report):
   owners = ctx.result("owners").owners if plan.memory.zero.partitions_gradients or across_v2 \
       else {}
   scatter = bool(owners) and len(plan.clients) > 1
-  if scatter and not across_v2 and _combined(items):
+  if scatter and _combined(items):
     # a value computed from several variables' gradients (clip_by_global_norm's norm) needs
-    # every gradient reduced on every worker: all-reduce them (the slots stay partitioned)
+    # every gradient reduced on every worker: all-reduce them (the slots stay partitioned;
+    # v2: each weight too, and report.reduced tells the zero pass what the others run)
     owners, scatter = {}, False
   train = _train_ops(ctx, items)
   for item in items:
@@ -142,6 +147,7 @@ def _reduce(ctx, items, report):
     if scatter:
       _scatter_to_owners(ctx, tg, part, group, owners, report)
       continue
+    members, start = [item.variable for item in group], len(report.collective_ops)
     group = sorted(group, key=lambda item: ready[parts_of(item.grad)[0].op])
     if owner < 0:
       streamed = [item for item in group if streamable(ctx, tg, part, item)]
@@ -154,6 +160,19 @@ def _reduce(ctx, items, report):
     for i, bucket in enumerate(_buckets(group, plan.communication.max_splits)):
       _reduce_bucket(ctx, tg, part, bucket, report, i % plan.communication.num_communicators,
                      root=None if owner < 0 else owner)
+    if across_v2:
+      _mark_reduced(ctx.graph, report, members, report.collective_ops[start:])
+
+
+def _mark_reduced(graph, report, variables, ops):
+  """v2 across workers, all-reduced: one op that waits for ``ops`` (the collectives of
+  ``variables``' gradients on this worker's devices) stands for each of them in
+  ``report.reduced``."""
+  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+      tf.device(ops[0].device):
+    done = tf.group(*ops, name="epl_grad_sync/reduced")
+  for v in variables:
+    report.reduced[v] = done
 
 
 def _combined(items):

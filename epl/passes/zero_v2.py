@@ -216,10 +216,12 @@ def _gather_bucket(ctx, key, names, updates, exchanged):
                                            group, root)
       pieces = tf.split(received, sizes) if len(names) > 1 else [received]
       values = {v: tf.reshape(p, s) for v, p, s in zip(names, pieces, shapes)}
-  done = exchanged.get((tg, dtype_name), received.op)
-  waited = [(w, done) for v in names for op in updates[v] for w in compat.control_outputs(op)]
+  sync = ctx.result("gradient_sync")
+  done = {v: sync.reduced.get(v, exchanged.get((tg, dtype_name), received.op)) for v in names}
+  waited = [(w, done[v]) for v in names for op in updates[v]
+            for w in compat.control_outputs(op)]
   for v in names:
     _rewire_reads(ctx, get(v), lambda read, v=v: values[v], skip_first=False)
     for op in updates[v]:                         # this worker runs no update of them
-      replace_update(v, [op], done)
+      replace_update(v, [op], done[v])
   return waited

@@ -60,10 +60,15 @@ def _inputs(data, batch, feed):
   return tf.data.make_one_shot_iterator(ds.repeat()).get_next()
 
 
-def _train_ops(loss, optimizer, lr, alternate):
+def _train_ops(loss, optimizer, lr, alternate, clip_norm=None):
   """One train op (with global_step), or two for ``alternate`` steps (see run_model)."""
   global_step = tf.train.get_or_create_global_step()
   with tf.control_dependencies(tf.get_collection(tf.GraphKeys.UPDATE_OPS)):
+    if clip_norm is not None:                 # as BERT and GPT-2 scripts clip
+      opt = _make_optimizer(optimizer, lr)
+      grads, variables = zip(*opt.compute_gradients(loss))
+      grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+      return [opt.apply_gradients(zip(grads, variables), global_step=global_step)]
     if not alternate:
       return [_make_optimizer(optimizer, lr).minimize(loss, global_step=global_step)]
     trained = tf.trainable_variables()
@@ -76,7 +81,7 @@ def _train_ops(loss, optimizer, lr, alternate):
 
 def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimizer="momentum",
               lr=0.01, initial=None, seed=7, feed=False, default_strategy=None,
-              fetch_loss=True, every_step=False, alternate=False):
+              fetch_loss=True, every_step=False, alternate=False, clip_norm=None):
   """Builds and trains ``model_fn`` once; epl is used when ``config`` is given.
 
   Args:
@@ -92,6 +97,8 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
       script that evaluates or saves between steps does.
     alternate: two train ops in alternate steps, as GAN scripts have: the first layer's
       variables (with global_step) in even steps, the others in odd ones.
+    clip_norm: the gradients clipped by their global norm (tf.clip_by_global_norm) between
+      compute_gradients and apply_gradients; not with ``alternate``.
   """
   graph = tf.Graph()
   with graph.as_default():
@@ -103,7 +110,7 @@ def run_model(model_fn, data, batch, steps, config=None, strategies=None, optimi
     x, y = _inputs(data, batch, feed)
     stages = Stages(strategies if config is not None else None)
     loss = model_fn(x, y, stages)
-    train_ops = _train_ops(loss, optimizer, lr, alternate)
+    train_ops = _train_ops(loss, optimizer, lr, alternate, clip_norm)
     variables = tf.global_variables()
     init = tf.global_variables_initializer()
     with tf.Session() as sess:

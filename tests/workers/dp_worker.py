@@ -8,7 +8,8 @@ TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (
 epl.collectives.PIECE_BYTES, 2 MiB: the test models' gradients are smaller).
 TEST_EVERY_STEP=1: also read every variable right after each step and save them as
 ``__step<k>__/<variable>``. TEST_ALTERNATE=1: two train ops in alternate steps (run_model's
-``alternate``).
+``alternate``). TEST_CLIP_NORM=c: the gradients clipped by their global norm c
+(run_model's ``clip_norm``). TEST_LR: the learning rate (default 0.01).
 """
 import os
 import sys
@@ -58,7 +59,9 @@ def main():
                   strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
                               for i, k in enumerate(counts)],
                   every_step=bool(os.environ.get("TEST_EVERY_STEP")),
-                  alternate=bool(os.environ.get("TEST_ALTERNATE")))
+                  alternate=bool(os.environ.get("TEST_ALTERNATE")),
+                  clip_norm=float(os.environ["TEST_CLIP_NORM"]) if os.environ.get(
+                      "TEST_CLIP_NORM") else None, lr=float(os.environ.get("TEST_LR", 0.01)))
   zero = res.parallel.results.get("zero") if res.parallel is not None else None
   owners = sorted((zero.owners if zero is not None else {}).values())
   # bytes of the user's trained variables placed on this worker's task (ZeRO v2: its share)
