@@ -274,6 +274,35 @@ def test_zero_combinations_not_built_are_refused_before_the_rewrite(keys, worker
       build_plan(g, state.recorder, state.config, cluster)
 
 
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_zero_across_workers_with_a_sparse_gradient(sparse_as_dense):
+  """Across workers an embedding's sparse gradient (tf.gather) leaves its variable unowned
+  (passes/owners.py); with communication.sparse_as_dense it is refused before the rewrite."""
+  from epl.cluster import Cluster
+  from epl.errors import NotImplementedYetError
+  from epl.passes.owners import sparse_across_workers
+  from epl.plan.build import build_plan
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(config(1, **{"zero.level": "v1",
+                          "communication.sparse_as_dense": sparse_as_dense}))
+    ids = tf.placeholder(tf.int32, [None], name="ids")
+    with epl.replicate(1, name="model"):
+      table = tf.get_variable("table", [10, 4])
+      h = tf.layers.dense(tf.gather(table, ids), 3, name="out")
+      loss = tf.reduce_mean(tf.square(h))
+    tf.train.AdamOptimizer(0.1).minimize(loss)
+    state = epl.Env.get()._state
+    cluster = Cluster(("h0:1", "h1:1"), 0, 1, False)
+    if sparse_as_dense:
+      with pytest.raises(NotImplementedYetError, match=r"zero.level 'v1' across workers .*"
+                         r"sparse_as_dense .*table"):
+        build_plan(g, state.recorder, state.config, cluster)
+      return
+    plan = build_plan(g, state.recorder, state.config, cluster)
+    assert sparse_across_workers(plan) == ["table"]
+
+
 def test_zero_v1_across_workers_reduce_scatters_only_gradients_nothing_else_combines():
   """zero.level v1 across workers reduce-scatters the gradients: each worker then holds the
   sums of its own variables only. An op that reads several variables' gradients (clipping's

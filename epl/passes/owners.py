@@ -3,7 +3,10 @@ its optimizer state (and with v2 the variable itself) -- computed once, before t
 sync (v1 sums a gradient at its owner) and the zero pass read it.
 
 Per TaskGraph (a stage's devices) and part of a split one, largest variable first, each to
-the lightest copy of the job. Deterministic: every worker finds the same. Returns ``Owners``.
+the lightest copy of the job. Deterministic: every worker finds the same. Across workers a
+variable whose gradient is sparse (``tf.IndexedSlices``: an embedding read by ``tf.gather``)
+has no owner: every copy keeps its slots and updates it, its gradient all-gathered as without
+ZeRO (a sparse update reads rows its owner's copy alone would not have). Returns ``Owners``.
 """
 import dataclasses
 from typing import Dict, Tuple
@@ -49,6 +52,8 @@ def assign_owners(ctx):
     var = written(op)
     if var is not None and owner_of(var.name, trained) is not None:
       updates.setdefault(owner_of(var.name, trained), []).append(op)
+  for name in sparse_across_workers(ctx.plan):
+    updates.pop(name, None)
   loads, owners = {}, {}
   for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
     # per device of the stage: a split TaskGraph's parts each balance their own variables
@@ -58,6 +63,14 @@ def assign_owners(ctx):
     owners[name] = k
     stage[k] += _size(get(name))
   return owners, updates
+
+
+def sparse_across_workers(plan):
+  """The trained variables ZeRO leaves unowned: those with a sparse gradient (no
+  ``communication.sparse_as_dense``) in a job of several workers."""
+  if len(plan.clients) < 2 or plan.communication.sparse_as_dense:
+    return []
+  return sorted({g.variable for g in plan.gradients if len(g.applied or g.tensors) > 1})
 
 
 def _size(var_op):

@@ -314,15 +314,17 @@ def _reductions(recorder, specs, kept):
 
 
 def _refuse_sparse_zero(gradients, config, cluster):
-  """NotImplementedYetError for ZeRO across workers with a sparse gradient (an embedding's):
-  TF's collective setup fails or a step is aborted ("Cleanup") under load; inside one
-  worker it works."""
+  """NotImplementedYetError for ZeRO across workers with communication.sparse_as_dense and a
+  sparse gradient (TF's collective setup failed: "ValidateDevices called before
+  initialization"). Without sparse_as_dense such a variable stays unowned (passes/owners.py)."""
   sparse = [g.variable for g in gradients if len(g.applied or g.tensors) > 1]
-  if config.zero.level and cluster.worker_num > 1 and sparse:
+  if config.zero.level and cluster.worker_num > 1 and sparse and \
+      config.communication.sparse_as_dense:
     raise NotImplementedYetError(
-        "zero.level %r across workers is not implemented yet in epl for variables whose "
-        "gradient is sparse (tf.IndexedSlices, from a tf.gather: %s); run ZeRO inside one "
-        "worker (each worker's copies), or unset zero.level" % (
+        "zero.level %r across workers is not implemented yet in epl with "
+        "communication.sparse_as_dense for variables whose gradient is sparse "
+        "(tf.IndexedSlices, from a tf.gather: %s); unset communication.sparse_as_dense (ZeRO "
+        "then leaves those variables unpartitioned), or unset zero.level" % (
             config.zero.level, ", ".join(sorted(sparse)[:3])))
 
 

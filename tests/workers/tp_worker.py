@@ -36,7 +36,9 @@ def main():
     stage = lambda i: epl.replicate(1, name="dp")                # noqa: E731
   run = sm.train(lambda: _build(stage, 2), data, steps, half, config=config, initial=initial)
   plan = run.parallel.plan
+  zero = run.parallel.results.get("zero")
   np.savez(os.path.join(out, "client%d.npz" % me),
+           __owned__=np.array(sorted(zero.owners) if zero is not None else [], dtype=str),
            __devices__=np.array([d for copy in plan.copies for t in copy.devices for d in t]),
            __loss__=np.array([f["loss"] for f in run.fetched]), **run.variables)
 
