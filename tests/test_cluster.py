@@ -23,8 +23,10 @@ from tests.test_multiworker import local_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 WHY_NOT = cluster.available()
-pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)),
-              pytest.mark.alone]      # its hosts are network namespaces with capped links
+# Not ``alone``: every testbed is its own bridge, namespaces and veths (named by pid and
+# time), its workers listen inside their namespaces, and a capped link is the testbed's own;
+# the tests that look for training processes by name are ``alone`` and so never see these.
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 
 @pytest.fixture
