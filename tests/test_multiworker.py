@@ -403,6 +403,28 @@ def test_port_in_use_is_a_clear_error(tmp_path):
   assert "is the port in use?" in out.stderr
 
 
+@pytest.mark.parametrize("level", ["v1", "v2"])
+def test_zero_across_workers_leaves_a_sparse_gradients_variable_unowned(tmp_path, level):
+  """An embedding read by tf.nn.embedding_lookup has a sparse gradient: across workers ZeRO
+  gives it no owner (every copy keeps its slots, its gradient all-gathered); the rest is
+  partitioned as usual, and the job trains the local model."""
+  steps, batch = 5, 4
+  local = local_run(tmp_path, models.embedding, 2 * batch, steps, seed=1)
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                str(tmp_path / "logs"), WORKER, str(tmp_path), "embedding", str(steps),
+                str(batch)], env={"EPL_ZERO_LEVEL": level})
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(2)]
+  losses = np.mean([r["__losses__"] for r in results], axis=0)
+  np.testing.assert_allclose(losses, local.losses, rtol=1e-5, atol=1e-5)
+  for r in results:
+    assert sorted(set(r["__zero_owners__"])) == [0, 1]
+    assert len(r["__zero_owners__"]) == len([g for g in local.variables if "/" in g and
+                                             g.split("/")[-1] in ("kernel", "bias")]), r
+    for name, value in local.variables.items():
+      np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("level", ["v0", "v2"])
 def test_zero_across_workers_checkpoint_holds_every_owners_slots(tmp_path, level):
   """ZeRO v0 over 2 workers: each Adam slot lives on its owner's worker, and the chief's
