@@ -154,5 +154,4 @@ def test_with_grappler_on_the_same_model(model, devices, micro, strategies, opti
   state = epl.Env.get()._state  # pylint: disable=protected-access
   merged = session_config(state.cluster, dist.parallel.plan, state.config, None)
   assert not merged.graph_options.rewrite_options.disable_meta_optimizer
-  default = epl.Config({}).graph.grappler
-  assert default == "auto"
+  assert epl.Config({}).graph.grappler == "auto"

@@ -70,7 +70,7 @@ def sparse_across_workers(plan):
   ``communication.sparse_as_dense``) in a job of several workers."""
   if len(plan.clients) < 2 or plan.communication.sparse_as_dense:
     return []
-  return sorted({g.variable for g in plan.gradients if len(g.applied or g.tensors) > 1})
+  return sorted({g.variable for g in plan.gradients if g.sparse})
 
 
 def _size(var_op):

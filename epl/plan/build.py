@@ -317,7 +317,7 @@ def _refuse_sparse_zero(gradients, config, cluster):
   """NotImplementedYetError for ZeRO across workers with communication.sparse_as_dense and a
   sparse gradient (TF's collective setup failed: "ValidateDevices called before
   initialization"). Without sparse_as_dense such a variable stays unowned (passes/owners.py)."""
-  sparse = [g.variable for g in gradients if len(g.applied or g.tensors) > 1]
+  sparse = [g.variable for g in gradients if g.sparse]
   if config.zero.level and cluster.worker_num > 1 and sparse and \
       config.communication.sparse_as_dense:
     raise NotImplementedYetError(

@@ -67,7 +67,9 @@ class Gradient:
 
   @property
   def sparse(self):
-    return len(self.tensors) == 3
+    """IndexedSlices (an embedding's, from tf.gather): the gradient handed to
+    apply_gradients, or the raw one when that is unknown."""
+    return len(self.applied or self.tensors) > 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
