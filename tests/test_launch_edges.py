@@ -341,9 +341,10 @@ def test_a_foreign_tf_client_that_clears_a_worker_ends_the_job_with_an_error_say
   text = seen + out
   assert launcher.returncode == 1, text[-3000:]
   assert "duplicate" not in text
-  if "worker 0 failed (killed by SIGSEGV)" in text:
+  if re.search(r"worker 0 failed \(killed by SIG(SEGV|ABRT)\)", text):
     # TF itself may crash when its containers are cleared under a running step (about one run
-    # in twenty here): the launcher still ends the job at once, naming the worker and how
+    # in twenty here: a segfault, or absl's "Mutex corrupt" abort): the launcher still ends the
+    # job at once, naming the worker and how
     return
   assert "epl worker 0 stops: its state was cleared from outside the job (Attempting to use " \
       "uninitialized value" in text and "Let only the job's hosts reach its ports" in text, \
