@@ -28,6 +28,11 @@ def _model():
                  y: rng.randint(0, 10, BATCH)}
 
 
+def _backward_costs_more(profile):
+  blocks = profile.nodes[1:4]
+  return sum(n.backward_ms for n in blocks) > sum(n.forward_ms for n in blocks)
+
+
 @pytest.mark.parametrize("resource", [False, True], ids=["ref variables", "resource variables"])
 def test_profile_of_a_small_model(resource):
   with tf.Graph().as_default(), tf.Session() as sess:
@@ -35,6 +40,16 @@ def test_profile_of_a_small_model(resource):
       train, feed = _model()
     sess.run(tf.global_variables_initializer())
     profile = epl.profiler.profile(sess, train, feed, steps=2)
+    # backward of a block costs more than its forward (two matmuls per forward matmul); a
+    # timing, so a loaded machine can invert one profile (a preemption inside a forward op):
+    # the labels are wrong only if every one of three profiles inverts it
+    again = profile
+    for _ in range(2):
+      if _backward_costs_more(again):
+        break
+      again = epl.profiler.profile(sess, train, feed, steps=2)
+    assert _backward_costs_more(again), "backward <= forward in three profiles: %s" % (
+        again.nodes[1:4],)
   assert [n.name for n in profile.nodes] == ["embed", "layer_0", "layer_1", "layer_2", "head"]
   assert Profile.parse(profile.dump()) == profile            # the planner reads it back
   params = {n.name: n.parameter_bytes for n in profile.nodes}
@@ -46,9 +61,6 @@ def test_profile_of_a_small_model(resource):
   # a block hands the next one its [batch, width] output (read by its dense and its residual)
   for node in profile.nodes[:4]:
     assert node.activation_bytes == BATCH * WIDTH * 4, str(node)
-  # backward of a block costs more than its forward (two matmuls per forward matmul)
-  assert sum(n.backward_ms for n in profile.nodes[1:4]) > sum(
-      n.forward_ms for n in profile.nodes[1:4])
   assert set(profile.edges) == {("node1", "node2"), ("node2", "node3"), ("node3", "node4"),
                                 ("node4", "node5")}
 
