@@ -164,6 +164,9 @@ KEYS = {k.name: k for k in [
     _k("launch.restart_window", "int", 0, minimum=0,
        help="epl-launch --restart_window: seconds in which launch.max_restarts counts "
             "restarts (0: the whole run)"),
+    _k("launch.python", "str", "",
+       help="the command epl-launch runs a .py script with: an interpreter and its options, "
+            "split as a shell would (default: epl-launch's own interpreter)"),
     _k("launch.port_range", "str", "",
        help="epl-launch --port_range LOW-HIGH: the ports the workers' servers may use"),
     _k("log.progress_secs", "int", 30, minimum=0,

@@ -105,6 +105,7 @@ ALONE = {
     "launch.status_file": ("s", {}, "tests/test_restarts.py::test_a_config_error_is_not_restarted"),
     "launch.max_restarts": (2, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
     "launch.restart_window": (60, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
+    "launch.python": ("python3", {}, "tests/test_launch.py::test_launch_python_is_the_command_a_py_script_runs_with"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
     "graph.grappler": ("off", {}, lambda pg, g, l: _merged(pg).graph_options.rewrite_options

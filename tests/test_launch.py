@@ -35,6 +35,20 @@ def test_local_workers_get_tf_config_and_devices():
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
 
 
+def test_launch_python_is_the_command_a_py_script_runs_with(tmp_path):
+  s = settings("--num_workers", "1", HERE, "-x",
+               environ={"EPL_LAUNCH_PYTHON": "/opt/py -X 'faulthandler'"})
+  spec, = worker_specs(s, {"PATH": "/bin"}, python="/venv/bin/py")
+  assert spec.argv == ("/opt/py", "-X", "faulthandler", HERE, "-x")
+  assert spec.env["PATH"] == "/venv/bin:/bin"
+  script = tmp_path / "run.sh"                           # a shell script: still bash
+  script.write_text("true\n")
+  s = settings("--num_workers", "1", str(script), environ={"EPL_LAUNCH_PYTHON": "/opt/py"})
+  assert worker_specs(s, {})[0].argv[0] == "bash"
+  with pytest.raises(SystemExit, match="EPL_LAUNCH_PYTHON"):
+    settings("--num_workers", "1", HERE, environ={"EPL_LAUNCH_PYTHON": "/opt/py 'open"})
+
+
 def test_shell_script_runs_under_bash_and_gpus_are_sliced(tmp_path):
   script = tmp_path / "run.sh"
   script.write_text("true\n")

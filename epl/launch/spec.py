@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import socket
 import sys
 from typing import Dict, Optional, Tuple
@@ -27,6 +28,7 @@ class Settings:
   port_range: Optional[Tuple[int, int]] = None
   max_restarts: int = 0
   restart_window: int = 0          # seconds; 0: restarts count over the whole run
+  python: Tuple[str, ...] = ()      # runs a .py script (launch.python); (): the launcher's own
 
   @property
   def local_hosts(self):
@@ -221,7 +223,15 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
     fail("--job_id %r: use letters, digits, '-', '_' and '.'" % job_id)
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
                   args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
-                  port_range, max_restarts, window)
+                  port_range, max_restarts, window, _python_command(env.python, fail))
+
+
+def _python_command(text, fail):
+  """launch.python (EPL_LAUNCH_PYTHON) split as a shell would; () for the default."""
+  try:
+    return tuple(shlex.split(text))
+  except ValueError as e:
+    fail("EPL_LAUNCH_PYTHON %r: %s" % (text, e))
 
 
 def log_path(settings, index, attempt=0):
@@ -246,7 +256,8 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
     attempt: how many times the job was restarted before (0: the first start).
   """
   specs = []
-  interpreter = [python] if settings.script.endswith(".py") else ["bash"]
+  interpreter = (list(settings.python or [python]) if settings.script.endswith(".py")
+                 else ["bash"])
   for index in settings.local_ranks:
     env = dict(base_env)
     # a shell script's `python` is the launcher's interpreter (its virtualenv)
