@@ -204,6 +204,27 @@ def test_a_worker_that_notices_a_peer_left_first_does_not_take_the_blame(tmp_pat
                         "waits in step 31 for it")
 
 
+@pytest.mark.parametrize("said", [None, 10.0], ids=["killed, no word", "said it ended first"])
+def test_workers_seen_gone_in_one_poll_are_blamed_in_the_order_they_ended(tmp_path, said):
+  """Worker 1 ended first (killed: no ended event; or its event is the earlier), worker 0
+  failed on noticing; both were gone by the launcher's next 0.2 s poll: worker 1 is named
+  (the lower index won such ties, seen in the restart tests)."""
+  from epl.launch import status
+  from epl.launch.cli import Job
+  files = {w: str(tmp_path / ("worker_%d.status" % w)) for w in (0, 1)}
+  status.report(files[0], status.ENDED, code=1, steps=30, at=20.0)
+  if said is not None:
+    status.report(files[1], status.ENDED, code=3, steps=30, at=said)
+  job = Job([], status_files=files)
+  job.procs = {0: subprocess.Popen(["sh", "-c", "exit 1"], start_new_session=True),
+               1: subprocess.Popen(["sh", "-c", "exit 3" if said else "kill -9 $$"],
+                                   start_new_session=True)}
+  for proc in job.procs.values():
+    proc.wait()
+  assert job.watch() == 1
+  assert job.failure == (1, 3 if said else -9)
+
+
 def test_a_frozen_worker_is_reported_with_what_its_process_does(tmp_path):
   """SIGSTOP of one worker: before the collective timeout the console says which worker the
   job waits for and that its process is stopped (nothing was said for 5 minutes)."""

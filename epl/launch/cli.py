@@ -136,10 +136,11 @@ class Job:
     ``failure`` says which). ``on_status(index, event)``: each status event of a worker."""
     seen = collections.Counter()
     while True:
-      for index, proc in sorted(self.procs.items()):
-        code = proc.poll()
-        if code is not None and index not in [i for _, i, _ in self.exits]:
-          self.exits.append((time.time(), index, code))
+      ended = [(index, proc.poll()) for index, proc in sorted(self.procs.items())
+               if index not in [i for _, i, _ in self.exits]]
+      for index, code in sorted(((i, c) for i, c in ended if c is not None),
+                                key=lambda item: self._ended_at(item[0])):
+        self.exits.append((time.time(), index, code))
       if on_status is not None:
         for index, path in self.status_files.items():
           events = status.read(path)
@@ -178,6 +179,14 @@ class Job:
       return []
     self.reason = found.reason
     return [(found.left, 0)]
+
+  def _ended_at(self, index):
+    """When worker ``index`` said it ended (its ``ended`` event), to order the workers seen
+    gone in one poll: one that ended without a word (killed, crashed) came first, its peers'
+    errors follow from it."""
+    event = status.last(self.status_files.get(index), status.ENDED) \
+        if self.status_files.get(index) else None
+    return (event or {}).get("at", float("-inf"))
 
   def _left_first(self):
     """[(index, 0)] of a worker that had left its script while the failed one waited in a

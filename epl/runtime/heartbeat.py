@@ -84,7 +84,7 @@ class Heartbeat:
     """Appends the ``ended`` event (``code``: the exit code as Python knows it) once."""
     if not self._ended:
       self._ended = True
-      status.report(self._path, status.ENDED, code=code, steps=self.steps)
+      status.report(self._path, status.ENDED, code=code, steps=self.steps, at=time.time())
 
   # ---- the watch thread (epl.runtime.faults.PeerWatch), about once a second ----------------
   def median(self):
