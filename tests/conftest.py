@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -8,6 +9,47 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 
 tf.disable_v2_behavior()
 tf.logging.set_verbosity(tf.logging.ERROR)
+
+
+# ---- the workers' fork server (tests/zygote.py) -----------------------------------------
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+
+
+_ZYGOTE_SERVER = []      # this pytest process's fork server, if it started one
+
+
+def _start_zygote(config):
+  """One fork server per pytest process that runs tests; every .py worker epl-launch starts
+  from this process is forked from it (its client falls back to a fresh ``python`` where a
+  fork cannot stand in for one). Set in the environment before the test modules are
+  imported: their ENV dicts copy os.environ then. EPL_TEST_ZYGOTE=0 turns it off."""
+  if os.environ.get("EPL_TEST_ZYGOTE") == "0":
+    return
+  if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+    return                                   # the xdist controller runs no test
+  address = os.path.join(tempfile.gettempdir(), "epl-zygote-%d.sock" % os.getpid())
+  root = os.path.dirname(os.path.dirname(ZYGOTE))
+  env = dict(os.environ, PYTHONPATH=root)
+  _ZYGOTE_SERVER.append((subprocess.Popen([sys.executable, ZYGOTE, "--serve", address],
+                                          env=env, stdin=subprocess.DEVNULL,
+                                          start_new_session=True), address))
+  os.environ["EPL_TEST_ZYGOTE"] = address
+  os.environ["EPL_LAUNCH_PYTHON"] = "%s %s" % (sys.executable, ZYGOTE)
+
+
+def pytest_unconfigure(config):
+  for server, address in _ZYGOTE_SERVER:
+    server.kill()
+    server.wait()
+    for path in (address, address + ".new"):
+      if os.path.exists(path):
+        os.unlink(path)
+  del _ZYGOTE_SERVER[:]
 
 
 # ---- sharing the machine between parallel test processes (pytest-xdist) ------------------
@@ -23,9 +65,6 @@ tf.logging.set_verbosity(tf.logging.ERROR)
 # machine drains once per run, not once per test (23 drains left the cores ~28% idle).
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
-import tempfile  # noqa: E402
-
-import pytest  # noqa: E402
 
 ALONE_GROUP = "alone"
 
@@ -33,6 +72,7 @@ ALONE_GROUP = "alone"
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "alone: runs with no other test beside it when the suite runs in parallel")
+  _start_zygote(config)
 
 
 @pytest.hookimpl(tryfirst=True)      # before xdist's loadgroup reads the groups

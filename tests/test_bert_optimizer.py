@@ -18,6 +18,7 @@ import pytest
 from epl.launch.spec import free_ports
 from tests.real_scripts import bert_like
 from tests.real_scripts.harness import MODES, assert_same_training, run, steps_of
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH, REPEATS = 4, 4, 3
@@ -51,7 +52,7 @@ def test_published_bert_optimizer_on_two_workers_trains_the_local_model(tmp_path
                  TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
                                        "task": {"type": "worker", "index": i}}))
       procs.append(subprocess.Popen(
-          [sys.executable, os.path.join(ROOT, "tests", "workers", "bert_worker.py"),
+          zygote.python() + [os.path.join(ROOT, "tests", "workers", "bert_worker.py"),
            str(tmp_path), str(BATCH), str(STEPS)], env=env, stdout=subprocess.PIPE,
           stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=240)[1] for p in procs]

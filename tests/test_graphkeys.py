@@ -15,6 +15,7 @@ import pytest
 import epl
 from epl.launch.spec import free_ports
 from tests import graphkeys_model as m
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +59,7 @@ def test_every_kind_on_two_workers(tmp_path, devices, stages):
                TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
                                      "task": {"type": "worker", "index": i}}))
     procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "workers", "graphkeys_worker.py"),
+        zygote.python() + [os.path.join(ROOT, "tests", "workers", "graphkeys_worker.py"),
          str(tmp_path), str(stages), str(micro)], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True))
   errs = [p.communicate(timeout=240)[1] for p in procs]
