@@ -16,11 +16,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOAK = os.path.join(ROOT, "bench", "soak.py")
-SECONDS = 12
-
-pytestmark = pytest.mark.alone    # a soak runs at full speed (the guide: each case alone)
+SECONDS = 8
 
 
+@pytest.mark.alone    # a soak runs at full speed (the guide: each case alone)
 def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
   out = subprocess.run([sys.executable, SOAK, "--alone", "--seconds", str(SECONDS),
                         "--interval", "2", "--checkpoint-secs", "4", "--eval-every", "300",
@@ -49,12 +48,14 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
     assert len(steps) >= 3 and all(b > a for a, b in zip(steps, steps[1:])), (name, steps)
     last = samples[-1]
     # hundreds of steps, not a speed test (bench/ measures speed): pipe2x1 trained 800 to
-    # 1100 steps in 12 s on the same machine within minutes, for the same tree
-    assert last["steps"] >= 500 and last["evals"] >= 1, (name, last)
+    # 1100 steps in 12 s on the same machine within minutes, for the same tree (an
+    # evaluation every 300 steps: at least one)
+    assert last["steps"] >= 300 and last["evals"] >= 1, (name, last)
     assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
   assert out.returncode == 0, out.stderr[-2000:]
 
 
+# The restart cases check what a restart resumes from, not a rate: they share the machine.
 def test_the_restart_case_reaches_its_steps_with_a_restart_per_kill():
   # a kill once global_step passes 1000 and 2000: two kills whatever the machine's speed (a
   # kill 10 s after each restart gave one on a machine that trained 3000 steps in 17 s);
