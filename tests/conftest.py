@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 
 
-_ZYGOTE_SERVER = []      # this pytest process's fork server, if it started one
+_ZYGOTE = pytest.StashKey()       # this pytest process's fork server and its address
 
 
 def _start_zygote(config):
@@ -35,21 +35,22 @@ def _start_zygote(config):
   address = os.path.join(tempfile.gettempdir(), "epl-zygote-%d.sock" % os.getpid())
   root = os.path.dirname(os.path.dirname(ZYGOTE))
   env = dict(os.environ, PYTHONPATH=root)
-  _ZYGOTE_SERVER.append((subprocess.Popen([sys.executable, ZYGOTE, "--serve", address],
-                                          env=env, stdin=subprocess.DEVNULL,
-                                          start_new_session=True), address))
+  config.stash[_ZYGOTE] = (subprocess.Popen([sys.executable, ZYGOTE, "--serve", address],
+                                            env=env, stdin=subprocess.DEVNULL,
+                                            start_new_session=True), address)
   os.environ["EPL_TEST_ZYGOTE"] = address
   os.environ["EPL_LAUNCH_PYTHON"] = "%s %s" % (sys.executable, ZYGOTE)
 
 
 def pytest_unconfigure(config):
-  for server, address in _ZYGOTE_SERVER:
-    server.kill()
-    server.wait()
-    for path in (address, address + ".new"):
-      if os.path.exists(path):
-        os.unlink(path)
-  del _ZYGOTE_SERVER[:]
+  if _ZYGOTE not in config.stash:
+    return
+  server, address = config.stash[_ZYGOTE]
+  server.kill()
+  server.wait()
+  for path in (address, address + ".new"):
+    if os.path.exists(path):
+      os.unlink(path)
 
 
 # ---- sharing the machine between parallel test processes (pytest-xdist) ------------------

@@ -156,7 +156,7 @@ def serve(address):
       elif conn is listener:
         _accept(listener, children, mine, (wake_r, wake_w))
       else:                                     # a client is gone: so is its worker
-        pid = next(p for p, c in children.items() if c is conn)
+        pid = {c: p for p, c in children.items()}[conn]
         killed.add(pid)
         try:
           os.kill(pid, signal.SIGKILL)
@@ -242,11 +242,16 @@ def _refusal(request, mine):
 
 def _run_child(request, fds):
   """In the fork: become ``python script args`` started by the client, run it, exit."""
-  import atexit
+  _become(request, fds)
+  _run_script(request["argv"][0])
+
+
+def _become(request, fds):
+  """The client's process state: its streams, signals, limits, directory, environment,
+  argv and sys.path; fresh random seeds; a watch that ends the child with its client."""
   import io
   import random
   import resource
-  import runpy
   import threading
   import numpy
   signal.set_wakeup_fd(-1)
@@ -284,6 +289,13 @@ def _run_child(request, fds):
       pass
     os.kill(os.getpid(), signal.SIGKILL)        # the client and the zygote are gone
   threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
+
+
+def _run_script(script):
+  """Runs ``script`` as ``__main__`` and exits as the interpreter would after it."""
+  import atexit
+  import runpy
+  import threading
   code = 0
   try:
     runpy.run_path(script, run_name="__main__")

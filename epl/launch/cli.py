@@ -136,11 +136,11 @@ class Job:
     ``failure`` says which). ``on_status(index, event)``: each status event of a worker."""
     seen = collections.Counter()
     while True:
-      ended = [(index, proc.poll()) for index, proc in sorted(self.procs.items())
-               if index not in [i for _, i, _ in self.exits]]
-      for index, code in sorted(((i, c) for i, c in ended if c is not None),
-                                key=lambda item: self._ended_at(item[0])):
-        self.exits.append((time.time(), index, code))
+      known = {i for _, i, _ in self.exits}
+      codes = {i: p.poll() for i, p in self.procs.items() if i not in known}
+      for index in sorted((i for i, c in codes.items() if c is not None),
+                          key=lambda i: (self._ended_at(i), i)):
+        self.exits.append((time.time(), index, codes[index]))
       if on_status is not None:
         for index, path in self.status_files.items():
           events = status.read(path)
@@ -184,8 +184,7 @@ class Job:
     """When worker ``index`` said it ended (its ``ended`` event), to order the workers seen
     gone in one poll: one that ended without a word (killed, crashed) came first, its peers'
     errors follow from it."""
-    event = status.last(self.status_files.get(index), status.ENDED) \
-        if self.status_files.get(index) else None
+    event = status.last(self.status_files.get(index, ""), status.ENDED)
     return (event or {}).get("at", float("-inf"))
 
   def _left_first(self):
