@@ -276,25 +276,3 @@ def test_a_duplicate_request_runs_again_and_aborted_collectives_stop_the_worker(
         "localhost:1", "127.0.0.1:%d" % peer.getsockname()[1]))
     message = str(faults.peer_error(aborted, cluster, 300))
   assert "aborted this worker's collectives" in message and "non-empty BufRendezvous" in message
-
-
-def test_a_reset_connection_asks_the_peer_again_before_calling_it_reachable(monkeypatch):
-  """A killed peer's connections can reset before its listening port closes (its sockets close
-  one by one as the process exits; seen once in the network-namespace cluster test): the peer
-  is asked again, and named lost once its port is gone."""
-  import types
-  import tensorflow.compat.v1 as tf
-  from epl.runtime import faults
-  answers = iter([True, True, False])
-  monkeypatch.setattr(faults, "reachable", lambda host: next(answers))
-  monkeypatch.setattr(faults.time, "sleep", lambda seconds: None)
-  cluster = types.SimpleNamespace(worker_index=0, worker_hosts=("a:1", "b:2"))
-  reset = tf.errors.UnavailableError(
-      None, None, "Collective ops is aborted by: recvmsg:Connection reset by peer")
-  assert "lost worker 1: b:2 no longer accepts connections" in str(
-      faults.peer_error(reset, cluster, 300))
-  asked = []                               # a stalled peer's deadline is not asked again
-  monkeypatch.setattr(faults, "reachable", lambda host: asked.append(host) or True)
-  stalled = tf.errors.DeadlineExceededError(None, None, "Collective ops timed out")
-  assert "a peer is stalled" in str(faults.peer_error(stalled, cluster, 300))
-  assert asked == ["b:2"]

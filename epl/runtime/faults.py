@@ -136,29 +136,14 @@ def ended_text(worker, steps, code):
   return "worker %d ended (exit code %s) at step %s" % (worker, code, steps)
 
 
-def _gone(peers, connection_lost, again=(0.25, 0.5, 1.0)):
-  """The peers that no longer accept connections. When this worker's connection to a peer
-  was reset or closed, a peer that still accepts is asked again for up to ~2 s: a killed
-  process's sockets close one after another as it exits (its connections can reset before
-  its listening port closes), and a host that went away takes its port with it late."""
-  gone = [(w, h) for w, h in peers if not reachable(h)]
-  for pause in again if connection_lost else ():
-    if gone:
-      break
-    time.sleep(pause)
-    gone = [(w, h) for w, h in peers if not reachable(h)]
-  return gone
-
-
 def peer_error(error, cluster, timeout, status_file="", ended_peers=None):
   """The PeerError that explains ``error`` (a TF error of a step with collectives).
   ``ended_peers``: serve.EndedPeers of this worker (what peers on other hosts left as they
   ended), or None."""
   me = cluster.worker_index
   peers = [(w, h) for w, h in enumerate(cluster.worker_hosts) if w != me]
+  gone = [(w, h) for w, h in peers if not reachable(h)]
   first = essence(error)
-  gone = _gone(peers, connection_lost=any(
-      word in first.lower() for word in ("reset", "closed", "broken pipe")))
   ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
   if not ended and ended_peers is not None:
     ended = [ended_text(w, steps, code) for w, (steps, code) in ended_peers().items()]
