@@ -48,6 +48,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -376,7 +377,9 @@ def _start(case, args, scratch):
               EPL_CLUSTER_DEVICES_PER_WORKER=str(devices), EPL_LOG_PROGRESS_SECS="0",
               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
   ckpt = os.path.join(scratch, case)
-  argv = [sys.executable, os.path.abspath(__file__), "--role", "worker", "--cases", case,
+  # the command epl-launch would run a .py with (launch.python; the tests' fork server)
+  python = shlex.split(os.environ.get("EPL_LAUNCH_PYTHON", "")) or [sys.executable]
+  argv = python + [os.path.abspath(__file__), "--role", "worker", "--cases", case,
           "--seconds", str(args.seconds), "--interval", str(args.interval),
           "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every", str(args.eval_every),
           "--checkpoint-dir", ckpt]
