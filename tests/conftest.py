@@ -12,6 +12,7 @@ tf.logging.set_verbosity(tf.logging.ERROR)
 
 
 # ---- the workers' fork server (tests/zygote.py) -----------------------------------------
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -43,6 +44,8 @@ def _start_zygote(config):
 
 
 def pytest_unconfigure(config):
+  if _RUN in config.stash:
+    shutil.rmtree(config.stash[_RUN], ignore_errors=True)
   if _ZYGOTE not in config.stash:
     return
   server, address = config.stash[_ZYGOTE]
@@ -61,26 +64,55 @@ def pytest_unconfigure(config):
 # a shared lock while it runs (set-up and tear-down included), an ``alone`` one the exclusive
 # lock, and a gate in front gives it precedence over tests that have not started. Taking the
 # exclusive lock drains the machine (the gate holds new tests back until the running ones
-# end), so the ``alone`` tests are one xdist group, run one after another in one process
-# (``--dist loadgroup`` in pyproject.toml), and the lock is kept from one to the next: the
-# machine drains once per run, not once per test (23 drains left the cores ~28% idle).
+# end), so the ``alone`` tests are one unit of xdist's work, run one after another in one
+# process, and the lock is kept from one to the next: the machine drains once per run, not
+# once per test (23 drains left the cores ~28% idle). xdist's own ``xdist_group`` cannot do
+# the grouping with pytest 9.2 (it renames the item through ``_nodeid``, which pytest no longer
+# reads), so the controller's scheduler groups them (``pytest_xdist_make_scheduler``) from the
+# list each test process writes when it has collected.
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 
 ALONE_GROUP = "alone"
+_RUN_DIR = "EPL_TESTS_RUN_DIR"       # this run's lock files and the alone tests' list
+_RUN = pytest.StashKey()
 
 
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "alone: runs with no other test beside it when the suite runs in parallel")
+  if not hasattr(config, "workerinput"):      # the controller: its test processes inherit it
+    config.stash[_RUN] = os.environ[_RUN_DIR] = tempfile.mkdtemp(prefix="epl-tests-")
   _start_zygote(config)
 
 
-@pytest.hookimpl(tryfirst=True)      # before xdist's loadgroup reads the groups
-def pytest_collection_modifyitems(items):
-  for item in items:
-    if _alone(item):
-      item.add_marker(pytest.mark.xdist_group(ALONE_GROUP))
+def pytest_collection_modifyitems(config, items):
+  if hasattr(config, "workerinput") and os.environ.get(_RUN_DIR):
+    path = os.path.join(os.environ[_RUN_DIR], "alone.%s" % config.workerinput["workerid"])
+    with open(path + ".new", "w") as f:
+      f.write("\n".join(item.nodeid for item in items if _alone(item)))
+    os.replace(path + ".new", path)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadGroupScheduling
+
+  class AloneGroup(LoadGroupScheduling):
+    """xdist's loadgroup, with the ``alone`` tests one group (read from the first list a test
+    process wrote: every process collects the same tests, which xdist checks)."""
+    _alone_ids = None
+
+    def _split_scope(self, nodeid):
+      if self._alone_ids is None:
+        base = os.environ[_RUN_DIR]
+        name = next(n for n in sorted(os.listdir(base)) if n.startswith("alone.gw"))
+        with open(os.path.join(base, name)) as f:
+          self._alone_ids = set(f.read().split("\n"))
+      return ALONE_GROUP if nodeid in self._alone_ids else super()._split_scope(nodeid)
+  return AloneGroup(config, log)
 
 
 def _alone(item):
@@ -97,9 +129,7 @@ class _MachineShare:
 
   def _open(self):
     if self._files is None:
-      base = os.path.join(tempfile.gettempdir(),
-                          "epl-tests-%s" % os.environ["PYTEST_XDIST_TESTRUNUID"])
-      os.makedirs(base, exist_ok=True)
+      base = os.environ[_RUN_DIR]
       self._files = (open(os.path.join(base, "gate"), "a"),
                      open(os.path.join(base, "share"), "a"))
     return self._files
@@ -135,3 +165,20 @@ _SHARE = _MachineShare()
 def pytest_runtest_protocol(item, nextitem):
   with _SHARE.held(_alone(item), _alone(nextitem)):
     yield
+
+
+# ---- each test starts as a fresh script would -------------------------------------------
+@pytest.fixture(autouse=True)
+def _no_annotations_left_behind():
+  """A test that annotated a graph and built no model in it (a refused annotation) leaves
+  epl's state as a script would that went on after the error: a later plain-TF session in the
+  same process is then refused for those annotations (epl.runtime.hooks, unmanaged_run), and
+  tests share processes in any order. epl starts again on an empty graph after such a test."""
+  yield
+  env = sys.modules.get("epl.env")
+  current = env.Env._current if env else None  # pylint: disable=protected-access
+  state = current._state if current is not None else None  # pylint: disable=protected-access
+  if state is not None and state.recorder.specs and state.untouched:
+    import epl
+    with tf.Graph().as_default():
+      epl.init()
