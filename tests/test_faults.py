@@ -289,3 +289,31 @@ def test_a_duplicate_request_runs_again_and_aborted_collectives_stop_the_worker(
         "localhost:1", "127.0.0.1:%d" % peer.getsockname()[1]))
     message = str(faults.peer_error(aborted, cluster, 300))
   assert "aborted this worker's collectives" in message and "non-empty BufRendezvous" in message
+
+
+def test_a_reset_connection_asks_the_peer_again_before_calling_it_reachable(monkeypatch):
+  """A killed peer's connections can reset before its listening port closes (its sockets close
+  one by one as the process exits; seen in the network-namespace cluster test and here): the
+  peer is asked again, and named lost once its port is gone. A stalled peer's deadline, aborted
+  collectives and a peer that left its exit code are told at once."""
+  import types
+  import tensorflow.compat.v1 as tf
+  from epl.runtime import faults
+  answers = iter([True, True, False])
+  monkeypatch.setattr(faults, "reachable", lambda host: next(answers))
+  monkeypatch.setattr(faults.time, "sleep", lambda seconds: None)
+  cluster = types.SimpleNamespace(worker_index=0, worker_hosts=("a:1", "b:2"))
+  reset = tf.errors.UnavailableError(
+      None, None, "Collective ops is aborted by: recvmsg:Connection reset by peer")
+  assert "lost worker 1: b:2 no longer accepts connections" in str(
+      faults.peer_error(reset, cluster, 300))
+  asked = []
+  monkeypatch.setattr(faults, "reachable", lambda host: asked.append(host) or True)
+  stalled = tf.errors.DeadlineExceededError(None, None, "Collective ops timed out")
+  assert "a peer is stalled" in str(faults.peer_error(stalled, cluster, 300))
+  aborted = tf.errors.InternalError(None, None, "Collective ops is aborted by: Delete called "
+                                    "on non-empty BufRendezvous (connection reset)")
+  assert "aborted this worker's collectives" in str(faults.peer_error(aborted, cluster, 300))
+  ended = str(faults.peer_error(reset, cluster, 300, ended_peers=lambda: {1: (7, 1)}))
+  assert "worker 1 ended (exit code 1) at step 7" in ended
+  assert asked == ["b:2"] * 3                       # once each: nobody was asked again

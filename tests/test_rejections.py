@@ -90,7 +90,9 @@ def test_a_rejected_step_runs_again_exactly_whichever_worker_and_however_often(
   collective already waits on the rejected worker is the case TF cannot recover from
   (test_a_rejection_under_a_waiting_peer_ends_the_job_with_one_error)."""
   reject = {"0": {"4": 1, "12": 1, "16": 2}, "1": {"8": 1, "12": 1, "20": 1}}
-  late = {"0": {"8": 0.2, "20": 0.2}, "1": {"4": 0.2, "16": 0.3}}
+  # the peer is late by a second: a rejected run and its rerun took over 0.2 s under load (the
+  # peer's collective then waited on the rejected worker: the unrecoverable case below)
+  late = {"0": {"8": 1.0, "20": 1.0}, "1": {"4": 1.0, "16": 1.2}}
   codes, errs, results = _job(tmp_path, "rejected", OWN_IDS, reject, late)
   assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
   assert [_rejections(e) for e in errs] == [4, 3], errs
@@ -146,7 +148,7 @@ def test_a_rejected_step_with_a_zero_broadcast_runs_again_exactly(tmp_path, leve
   codes, errs, plain = _job(tmp_path, "plain", config)
   assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
   codes, errs, results = _job(tmp_path, "rejected", config, {"0": {"5": 1}, "1": {"9": 2}},
-                              late={"0": {"9": 0.3}, "1": {"5": 0.3}})
+                              late={"0": {"9": 1.0}, "1": {"5": 1.0}})
   assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
   assert [_rejections(e) for e in errs] == [1, 2]
   _same(results, plain)

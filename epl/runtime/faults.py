@@ -136,17 +136,38 @@ def ended_text(worker, steps, code):
   return "worker %d ended (exit code %s) at step %s" % (worker, code, steps)
 
 
+_CONNECTION_LOST = ("connection reset", "socket closed", "connection closed", "broken pipe")
+
+
+def _gone(peers, patient, again=(0.25, 0.5, 1.0)):
+  """The peers that no longer accept connections; ``patient``: asks a peer that still accepts
+  again for up to ~2 s (a killed process's sockets close one by one as it exits: this
+  worker's connection to it can reset before its listening port closes)."""
+  gone = [(w, h) for w, h in peers if not reachable(h)]
+  for pause in again if patient else ():
+    if gone:
+      break
+    time.sleep(pause)
+    gone = [(w, h) for w, h in peers if not reachable(h)]
+  return gone
+
+
 def peer_error(error, cluster, timeout, status_file="", ended_peers=None):
   """The PeerError that explains ``error`` (a TF error of a step with collectives).
   ``ended_peers``: serve.EndedPeers of this worker (what peers on other hosts left as they
   ended), or None."""
   me = cluster.worker_index
   peers = [(w, h) for w, h in enumerate(cluster.worker_hosts) if w != me]
-  gone = [(w, h) for w, h in peers if not reachable(h)]
   first = essence(error)
   ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
   if not ended and ended_peers is not None:
     ended = [ended_text(w, steps, code) for w, (steps, code) in ended_peers().items()]
+  # only a lost connection with nothing else to tell waits for a peer's port to close: a
+  # rejected step, aborted collectives and a stalled peer are told at once
+  patient = not ended and not collectives_aborted(error) and \
+      not cleared_from_outside(error) and \
+      any(word in str(getattr(error, "message", error)).lower() for word in _CONNECTION_LOST)
+  gone = _gone(peers, patient)
   if cleared_from_outside(error) and not isinstance(error, tf.errors.AbortedError):
     what = "its state was cleared from outside the job (%s). %s" % (first, OUTSIDE)
   elif ended:
