@@ -1,7 +1,7 @@
 """Real model sizes: what a worker pays before its first step, per layout (#36).
 
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
-                        [--steps 5] [--grappler on|off|auto] [--micro-batches auto|runs|clones]
+                        [--bert-parts] [--steps 5] [--grappler on|off|auto] [--micro-batches auto|runs|clones]
                         [--json]
 
 Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
@@ -12,7 +12,9 @@ vocabulary 512, Adam), 8 rows per model copy per step. Layouts:
   dp8_m4         the same with pipeline.num_micro_batch 4 (gradient accumulation), 64 rows
   pipe4_dp2_m8   4 pipeline stages x 2 replicas on 8 devices, 8 micro-batches, 16 rows
 ``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence 32, 8 rows per step)
-local, and on 2 devices x 4 micro-batches at the same global batch.
+local, and on 2 devices x 4 micro-batches at the same global batch. ``--bert-parts`` adds where
+that step goes: the local script at 1 and 2 rows (one micro-batch's work), DP 2 without
+micro-batches, 1 device x 4 micro-batches; and DP 2 x 4 over 8 one-row local steps.
 
 Per configuration it prints: the user's ops, the ops in the process's graph after the rewrite,
 epl's rewrite seconds, seconds from the process's start to the end of the first step, the
@@ -102,7 +104,8 @@ def child(spec):
   tf.disable_v2_behavior()
   layout = spec["layout"]
   devices, micro, stages = {"local": (1, 1, 1), "dp8": (8, 1, 1), "dp8_m4": (8, 4, 1),
-                            "pipe4_dp2_m8": (8, 8, 4), "dp2_m4": (2, 4, 1)}[layout]
+                            "pipe4_dp2_m8": (8, 8, 4), "dp2_m4": (2, 4, 1), "dp2": (2, 1, 1),
+                            "dp1_m4": (1, 4, 1)}[layout]
   copies = devices // stages
   epl, rewrite = None, {}
   if layout != "local":
@@ -171,6 +174,9 @@ def main():
   p.add_argument("--layers", default="6,12,24")
   p.add_argument("--layouts", default=",".join(LAYOUTS))
   p.add_argument("--bert", action="store_true")
+  p.add_argument("--bert-parts", action="store_true",
+                 help="with --bert: where DP 2 x 4's step goes (the local script at 1 and 2 "
+                      "rows, DP 2 without micro-batches, 1 device x 4 micro-batches)")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--grappler", default="auto", choices=["on", "off", "auto"],
                  help="epl's graph.grappler key for the epl layouts")
@@ -190,6 +196,13 @@ def main():
               dict(name="BERT-base dp2_m4", layers=12, hidden=768, heads=12, layout="dp2_m4",
                    steps=args.steps, rows=ROWS, grappler=args.grappler,
                    micro_batches=args.micro_batches)]
+    if args.bert_parts:
+      bert = dict(layers=12, hidden=768, heads=12, steps=args.steps, grappler=args.grappler,
+                  micro_batches=args.micro_batches)
+      specs += [dict(bert, name="BERT-base local 1 row", layout="local", rows=1),
+                dict(bert, name="BERT-base local 2 rows", layout="local", rows=2),
+                dict(bert, name="BERT-base dp2", layout="dp2", rows=ROWS),
+                dict(bert, name="BERT-base dp1_m4", layout="dp1_m4", rows=ROWS)]
   print("%-28s %8s %9s %8s %9s %9s %7s" % ("configuration", "user ops", "graph ops",
                                           "rewrite", "1st step", "steady", "RSS GiB"))
   results = []
@@ -210,12 +223,24 @@ def main():
                                              r["host_rss"] / (base["host_rss"] * r["copies"]))
     if r["layout"] == "dp8":
       line += "; steady %.2fx 8x local (target <= 1.2)" % (r["steady"] / (8 * base["steady"]))
-    if r["layout"] == "dp2_m4":
-      line += "; steady %.2fx local at equal batch (target <= 1.1)" % (
-          r["steady"] / base["steady"])
+    if r["layout"] in ("dp2_m4", "dp2", "dp1_m4"):
+      line += "; steady %.2fx local at equal batch%s" % (
+          r["steady"] / base["steady"], " (target <= 1.1)" if r["layout"] == "dp2_m4" else "")
     print(line)
+  _bert_parts(ok)
   if args.json:
     print(json.dumps(results))
+
+
+def _bert_parts(ok):
+  """Each micro-batch computes a whole weight gradient: DP 2 x 4 against 8 one-row steps of the
+  local script on the same cores (and 1 device x 4 against 4 two-row steps)."""
+  one, two = ok.get("BERT-base local 1 row"), ok.get("BERT-base local 2 rows")
+  for name, base, runs in (("BERT-base dp2_m4", one, 8), ("BERT-base dp1_m4", two, 4)):
+    if name in ok and base is not None:
+      print("%-28s steady %.2fx %d x the local script's %d-row step (the same micro-batches "
+            "run alone)" % (name, ok[name]["steady"] / (runs * base["steady"]), runs,
+                            base["rows"]))
 
 
 if __name__ == "__main__":

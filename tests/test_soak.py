@@ -95,3 +95,22 @@ def test_a_restart_after_its_newest_checkpoint_was_truncated_resumes_from_the_on
   assert r["final_gs"] == 2000 and len(r["kills"]) == 1 and r["restarts"] == 1, r
   kill = r["kills"][0]
   assert kill["truncated"] is not None and kill["resumed_at"] < kill["truncated"], kill
+
+
+def test_growth_is_judged_while_training_not_in_the_sample_at_exit():
+  """The sample at exit follows the session's close and its last checkpoint (RSS +16-32 MB
+  seen there); growth while training is a problem when over 5% and 32 MB (a worker forked from
+  the tests' zygote holds ~300 MB, and its first checkpoint adds ~16 MB)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("soak_bench", SOAK)
+  soak = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(soak)
+  base = dict(threads=29, heap_mb=92.2, pinned=0, gs=0, steps=0, evals=0, rejected=0)
+  flat = [dict(base, t=t, rss_mb=305.0) for t in (0, 2, 4, 6, 8)]
+  at_exit = dict(base, t=8.5, rss_mb=325.6, threads=10, close_s=0.1, exit_s=0.2)
+  assert soak.judge(flat + [at_exit]) == []
+  first_checkpoint = [dict(s, rss_mb=279.4 if s["t"] < 6 else 295.5) for s in flat]
+  assert soak.judge(first_checkpoint + [at_exit]) == []
+  growing = [dict(base, t=t, rss_mb=305.0 + 10 * t) for t in (0, 2, 4, 6, 8)]
+  assert any("RSS grew" in p for p in soak.judge(growing + [at_exit]))
+  assert any("RSS grew" in p for p in soak.judge(flat[:3] + [dict(base, t=9, rss_mb=400.0)]))
