@@ -108,7 +108,8 @@ def pytest_xdist_make_scheduler(config, log):
     def _split_scope(self, nodeid):
       if self._alone_ids is None:
         base = os.environ[_RUN_DIR]
-        name = next(n for n in sorted(os.listdir(base)) if n.startswith("alone.gw"))
+        name = next(n for n in sorted(os.listdir(base))
+                    if n.startswith("alone.gw") and not n.endswith(".new"))
         with open(os.path.join(base, name)) as f:
           self._alone_ids = set(f.read().split("\n"))
       return ALONE_GROUP if nodeid in self._alone_ids else super()._split_scope(nodeid)
