@@ -49,7 +49,6 @@ import argparse
 import json
 import logging
 import os
-import shlex
 import subprocess
 import sys
 import threading
@@ -376,15 +375,15 @@ RESTARTS_PER_WINDOW, KILLS_PER_WINDOW = 6, 5
 def _start(case, args, scratch):
   """Starts the case's worker processes; returns [(name, Popen)]."""
   sys.path.insert(0, ROOT)
-  from epl.launch.spec import free_ports
+  from epl.launch.spec import free_ports, python_command
   workers, devices, _ = CASES[case]
   base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
               EPL_CLUSTER_DEVICES_PER_WORKER=str(devices), EPL_LOG_PROGRESS_SECS="0",
               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
   ckpt = os.path.join(scratch, case)
   # the command epl-launch would run a .py with (launch.python; the tests' fork server)
-  python = shlex.split(os.environ.get("EPL_LAUNCH_PYTHON", "")) or [sys.executable]
-  argv = python + [os.path.abspath(__file__), "--role", "worker", "--cases", case,
+  python = python_command(os.environ.get("EPL_LAUNCH_PYTHON", ""), sys.exit) or (sys.executable,)
+  argv = list(python) + [os.path.abspath(__file__), "--role", "worker", "--cases", case,
           "--seconds", str(args.seconds), "--interval", str(args.interval),
           "--checkpoint-secs", str(args.checkpoint_secs), "--eval-every", str(args.eval_every),
           "--checkpoint-dir", ckpt]

@@ -223,11 +223,12 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
     fail("--job_id %r: use letters, digits, '-', '_' and '.'" % job_id)
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
                   args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
-                  port_range, max_restarts, window, _python_command(env.python, fail))
+                  port_range, max_restarts, window, python_command(env.python, fail))
 
 
-def _python_command(text, fail):
-  """launch.python (EPL_LAUNCH_PYTHON) split as a shell would; () for the default."""
+def python_command(text, fail):
+  """launch.python (EPL_LAUNCH_PYTHON) split as a shell would; () for the default (the
+  launcher's own interpreter). ``fail(message)`` reports text a shell could not split."""
   try:
     return tuple(shlex.split(text))
   except ValueError as e:

@@ -162,13 +162,13 @@ def peer_error(error, cluster, timeout, status_file="", ended_peers=None):
   ended = [text for text in (_ended(status_file, w) for w, _ in peers) if text]
   if not ended and ended_peers is not None:
     ended = [ended_text(w, steps, code) for w, (steps, code) in ended_peers().items()]
+  outside, aborted = cleared_from_outside(error), collectives_aborted(error)
   # only a lost connection with nothing else to tell waits for a peer's port to close: a
   # rejected step, aborted collectives and a stalled peer are told at once
-  patient = not ended and not collectives_aborted(error) and \
-      not cleared_from_outside(error) and \
+  patient = not ended and not outside and not aborted and \
       any(word in str(getattr(error, "message", error)).lower() for word in _CONNECTION_LOST)
   gone = _gone(peers, patient)
-  if cleared_from_outside(error) and not isinstance(error, tf.errors.AbortedError):
+  if outside and not isinstance(error, tf.errors.AbortedError):
     what = "its state was cleared from outside the job (%s). %s" % (first, OUTSIDE)
   elif ended:
     what = "; ".join(ended)
@@ -176,12 +176,12 @@ def peer_error(error, cluster, timeout, status_file="", ended_peers=None):
     what = "lost worker %s: %s no longer accept%s connections" % (
         ", ".join(str(w) for w, _ in gone), ", ".join(h for _, h in gone),
         "s" if len(gone) == 1 else "")
-  elif collectives_aborted(error):
+  elif aborted:
     what = ("TensorFlow aborted this worker's collectives (%s): a peer's part of the step "
             "ended while this worker's collective waited on it -- its sessions closed from "
             "outside the job (another TensorFlow client that reached its port), or a step TF "
             "rejected there -- and TF cannot run collectives in this process again" % first)
-  elif cleared_from_outside(error):
+  elif outside:
     what = "its sessions were closed from outside the job (%s). %s" % (first, OUTSIDE)
   elif isinstance(error, tf.errors.DeadlineExceededError):
     what = ("a step did not finish within communication.collective_timeout=%d s: a peer is "
