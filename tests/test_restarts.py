@@ -106,9 +106,10 @@ def test_a_worker_killed_mid_training_is_restarted_and_trains_the_uninterrupted_
   # the last checkpoint (every 4 steps) before the kill -- worker 0 may have run on a little:
   # the chief saves inside a step's run, before its print, and TF names a checkpoint in its
   # state file only once written, so a chief killed after a step's save but before its print
-  # resumes one past the last step it printed
+  # resumes one past the last step it printed -- killed as the victim, or stopped by the
+  # launcher when worker 1 was (seen: printed 31, resumed at 32)
   last = kill_after // 4 * 4
-  assert resumed % 4 == 0 and last <= resumed <= reached + (victim == 0), (
+  assert resumed % 4 == 0 and last <= resumed <= reached + 1, (
       seed, kill_after, reached, resumed)
   assert "all workers finished (after 1 restart(s))" in out
   assert os.path.exists(job.out_dir / "logs" / ("worker_%d.restart1.log" % victim))
