@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 
-from epl.launch.spec import free_ports
 from tests.real_scripts import bert_like
 from tests.real_scripts.harness import MODES, assert_same_training, run, steps_of
 from tests import zygote
+from tests.ports import private_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH, REPEATS = 4, 4, 3
@@ -44,7 +44,7 @@ def test_published_bert_optimizer_on_two_workers_trains_the_local_model(tmp_path
   local = _local(2 * BATCH)
   np.savez(tmp_path / "initial.npz", **local.initial)
   for attempt in range(REPEATS):
-    hosts = ["localhost:%d" % p for p in free_ports(2)]
+    hosts = ["localhost:%d" % p for p in private_ports(2)]
     procs = []
     for i in range(2):
       env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",

@@ -1,7 +1,6 @@
 """Faults end every worker with an error, never a hang -- with and without epl-launch."""
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -10,28 +9,12 @@ import sys
 import time
 
 import pytest
+from tests.ports import private_ports
 
-from epl.launch.spec import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tests", "workers", "train_worker.py")
 ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-
-
-def _ports(count):
-  """Free ports from this xdist worker's own thousand below the kernel's ephemeral range.
-
-  A killed peer is named by probing its port. Every other test's servers and connections take
-  ephemeral ports, so none of them can bind the port a victim left while a survivor probes it
-  (seen once, when these tests took ephemeral ports beside others under pytest -n 3)."""
-  with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-    ephemeral = int(f.read().split()[0])
-  worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-  low = ephemeral - 1000 * (worker + 2)
-  assert low > 1024, "no room below the ephemeral range %d for xdist worker %d" % (
-      ephemeral, worker)
-  start = random.randrange(low, low + 900)     # not the same ports test after test
-  return free_ports(count, (start, low + 999))
 
 
 def _alive(pid):
@@ -44,7 +27,7 @@ def _alive(pid):
 
 def _start_workers(tmp_path, count, steps=100000, extra=(), extra_env=None):
   """``count`` workers started from TF_CONFIG alone (as a scheduler would), no launcher."""
-  hosts = ["localhost:%d" % p for p in _ports(count)]
+  hosts = ["localhost:%d" % p for p in private_ports(count)]
   procs = []
   for i in range(count):
     env = dict(ENV, TF_CONFIG=json.dumps({"cluster": {"worker": hosts},
@@ -158,7 +141,7 @@ def test_a_serving_worker_ends_cleanly_when_its_client_finishes(tmp_path):
 
 
 def test_a_duplicate_address_in_tf_config_is_refused_before_any_server_starts(tmp_path):
-  port = free_ports(1)[0]
+  port = private_ports(1)[0]
   env = dict(ENV, TF_CPP_MIN_LOG_LEVEL="0", TF_CONFIG=json.dumps({   # TF's INFO lines shown
       "cluster": {"worker": ["localhost:%d" % port, "127.0.0.1:%d" % port]},
       "task": {"type": "worker", "index": 0}}))
@@ -221,7 +204,7 @@ def test_the_launcher_leaves_no_process_behind(tmp_path):
 def test_the_peer_watch_ends_only_a_long_step_that_waits_on_a_lost_peer():
   from epl.cluster import Cluster
   from epl.runtime.faults import PeerWatch
-  cluster = Cluster(("localhost:1", "localhost:%d" % _ports(1)[0]), 0, 1, False)
+  cluster = Cluster(("localhost:1", "localhost:%d" % private_ports(1)[0]), 0, 1, False)
   exits = []
   watch = PeerWatch(cluster, 300, check_after=0.3, interval=0.05, exit_fn=exits.append)
   with watch:                                 # a short step: never checked

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import epl
-from epl.launch.spec import free_ports
 from tests import graphkeys_model as m
 from tests import zygote
+from tests.ports import private_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +51,7 @@ def test_every_kind_on_two_workers(tmp_path, devices, stages):
   initial = m.initial_values()
   x, y = m.data(clients * per_client)
   np.savez(tmp_path / "job.npz", __x__=x, __y__=y, __clients__=clients, **initial)
-  hosts = ["localhost:%d" % p for p in free_ports(2)]
+  hosts = ["localhost:%d" % p for p in private_ports(2)]
   procs = []
   for i in range(2):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",

@@ -260,6 +260,57 @@ def test_a_restart_on_localhost_starts_every_worker_again_on_fresh_ports(monkeyp
   assert [s.argv for s in starts[0]] == [s.argv for s in starts[1]]
 
 
+
+@pytest.mark.parametrize("list_given,races,code", [
+    (False, 1, 0), (False, 3, 0), (False, 4, 1), (True, 1, 1)])
+def test_a_port_race_starts_again_on_fresh_ports_only_on_picked_ports_and_at_most_thrice(
+    monkeypatch, tmp_path, capsys, list_given, races, code):
+  """A start lost to a taken port (AddressTakenError before the first step) is repeated on
+  fresh ports without --max_restarts, at most 3 times; ports the user gave are not moved."""
+  from epl.launch import cli
+  starts = []
+
+  class RacedJob:
+    def __init__(self, specs, debug=False, status_files=None, guard=None):
+      self.specs = {s.index: s for s in specs}
+      self.failure = (0, 1)
+      starts.append(specs)
+
+    def start(self):
+      pass
+
+    def watch(self, on_status=None):
+      return 1 if len(starts) <= races else 0
+
+    def summary(self):
+      return ""
+
+    def log_text(self, index):
+      return ("Traceback (most recent call last):\n  File \"x\"\nepl.runtime.server."
+              "AddressTakenError: worker 0 could not start its server")
+
+    def ran(self):
+      return False
+
+    def stop(self):
+      pass
+
+  monkeypatch.setattr(cli, "Job", RacedJob)
+  monkeypatch.setattr(cli, "_gpus_on_host", lambda: 0)
+  monkeypatch.setattr(cli.signal, "signal", lambda *a: None)   # keep pytest's handlers
+  script = tmp_path / "train.py"
+  script.write_text("")
+  given = ["--machine_list", "localhost:41001,localhost:41002"] if list_given else []
+  assert cli.main(["--num_workers", "2", "--log_dir", str(tmp_path)] + given +
+                  [str(script)]) == code
+  out = capsys.readouterr().out
+  assert len(starts) == (1 if list_given else min(races, 3) + 1)
+  assert out.count("on fresh ports") == len(starts) - 1
+  hosts = [tuple(s.env["TF_CONFIG"] for s in specs) for specs in starts]
+  assert len(set(hosts)) == len(hosts)                        # every start on fresh ports
+  if code:
+    assert "epl-launch: failed; logs in" in out, out
+
 _INTERRUPTED_WHILE_POLLING = r'''
 import os, signal, subprocess, sys
 from epl.launch import cli

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+from tests.ports import private_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
@@ -155,8 +156,7 @@ def test_a_peer_on_another_host_names_the_worker_that_ended_and_how(tmp_path, ho
   server). Worker 1 ends at step 30; worker 0's error names it, how and when -- within 10 s,
   also when worker 1's loop just ended early (exit code 0: it used to wait out the farewell's
   minute) -- and says nothing of request ids."""
-  from epl.launch.spec import free_ports
-  hosts = ",".join("localhost:%d" % p for p in free_ports(2))
+  hosts = ",".join("localhost:%d" % p for p in private_ports(2))
   launchers = [_launch(["--num_workers", "2", "--machine_list", hosts, "--machine_rank",
                         str(rank), "--log_dir",
                         str(tmp_path if logs == "shared" else tmp_path / str(rank)),
@@ -414,3 +414,41 @@ def test_a_foreign_master_naming_itself_a_task_of_the_job_does_not_end_it(tmp_pa
       launcher.communicate(timeout=30)
     except subprocess.TimeoutExpired:
       launcher.kill()
+
+
+TAKEN_FIRST = r"""
+import socket, sys
+from epl.launch import cli, spec
+taken = socket.socket(); taken.bind(("", 0)); taken.listen()     # another process's port
+picks = []
+
+
+def pick(count, port_range=None):
+  picks.append(count)
+  if len(picks) == 1:          # the first pick names a port that is taken by now
+    return [taken.getsockname()[1]] + spec.free_ports(count - 1, port_range)
+  return spec.free_ports(count, port_range)
+
+
+cli.settings_from_args = lambda args: spec.settings_from_args(args, pick_ports=pick)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_picked_port_another_process_took_first_starts_the_job_again_on_fresh_ports(
+    tmp_path):
+  """Free ports can be told, not reserved: seen in CI, two jobs' launchers on one host got
+  the same port and the slower one failed before its first step (StartupError, not
+  restarted). The launcher now starts again on fresh ports, without --max_restarts."""
+  (tmp_path / "out").mkdir()
+  out = subprocess.run([sys.executable, "-c", TAKEN_FIRST, "--num_workers", "2",
+                        "--log_dir", str(tmp_path / "logs"), TRAIN, str(tmp_path / "ckpt"),
+                        str(tmp_path / "out"), "6", "0"], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text[-4000:]
+  assert re.search(r"epl-launch: worker 0 found a port epl-launch picked taken by another "
+                   r"process \(AddressTakenError\); starting every worker again on fresh "
+                   r"ports \(1 of at most 3\)", text), text[-4000:]
+  assert "could not start its server" in text and "restart 1" not in text, text[-4000:]
+  assert "epl-launch: all workers finished; logs in" in text, text[-4000:]

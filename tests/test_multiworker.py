@@ -10,6 +10,7 @@ import pytest
 
 from epl.testing import run_model
 from tests import models
+from tests.ports import private_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "dp_worker.py")
@@ -322,8 +323,7 @@ def test_killed_worker_stops_the_job(tmp_path):
 
 
 def test_worker_that_never_starts_is_an_error_within_60s(tmp_path):
-  from epl.launch.spec import free_ports
-  ports = free_ports(2)
+  ports = private_ports(2)
   conf = json.dumps({"cluster": {"worker": ["localhost:%d" % p for p in ports]},
                      "task": {"type": "worker", "index": 0}})
   env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from epl.launch.spec import free_ports
 from epl.testing import rejections
+from tests.ports import private_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "reject_worker.py")
@@ -30,7 +30,7 @@ def _job(tmp_path, name, config=None, reject=None, late=None, devices=1, timeout
   """Runs the 2-worker job; returns (return codes, stderr per worker, results or None)."""
   out = tmp_path / name
   out.mkdir()
-  hosts = ["localhost:%d" % p for p in free_ports(2)]
+  hosts = ["localhost:%d" % p for p in private_ports(2)]
   base = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
               EPL_CLUSTER_DEVICES_PER_WORKER=str(devices), EPL_LOG_PROGRESS_SECS="0",
               EPL_COMMUNICATION_COLLECTIVE_TIMEOUT="60",

@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from epl.launch.spec import free_ports
+from tests.ports import private_ports
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "rendezvous_worker.py")
@@ -21,7 +22,7 @@ FAILS = 5         # tests/workers/rendezvous_worker.py
 
 
 def test_tf_pins_aborted_rendezvous_and_epl_stops_it():
-  hosts = ["localhost:%d" % p for p in free_ports(2)]
+  hosts = ["localhost:%d" % p for p in private_ports(2)]
   base = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
               EPL_LOG_PROGRESS_SECS="0")
   procs = [subprocess.Popen(

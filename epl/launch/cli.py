@@ -10,12 +10,15 @@ With ``--max_restarts N`` a failed job is started again (every worker, fresh por
 localhost) and resumes from its last checkpoint, unless the failure would only repeat: a
 Config / plan / annotation error, or any error before the job ran its first step
 (``restart_refused``). After N restarts within ``--restart_window`` it gives up.
+
+Free ports can be told, not reserved: another process may bind a port epl-launch picked
+before the worker's server does. A start that fails so (``port_raced``) is repeated on fresh
+ports, with or without --max_restarts, and costs no restart.
 """
 import collections
 import dataclasses
 import ctypes
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,6 +29,7 @@ from epl.launch import status, steps
 from epl.launch.guard import Guard
 from epl.launch.guard import alive as _group_alive
 from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
+from epl.launch.restarts import PORT_RACES, Restarts, failed_with, port_raced, restart_refused
 from epl.launch.spec import free_ports, parser, settings_from_args, status_path, worker_specs
 
 GRACE_SECONDS = 5
@@ -222,58 +226,6 @@ class Job:
                 last_traceback(self.log_text(index))))
 
 
-# errors that a restart would only repeat: the script, its Config or its annotations are wrong
-REPEATING = ("ConfigError", "NotImplementedYetError", "AnnotationError", "PlanError",
-             "RuntimeStateError")
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception))\b")
-
-
-def failed_with(log_text):
-  """The class name of the exception a worker's log ends with ("" when none)."""
-  for line in reversed(last_traceback(log_text).splitlines()):
-    found = _EXCEPTION_LINE.match(line)
-    if found:
-      return found.group(1)
-  return ""
-
-
-def restart_refused(code, error, ran):
-  """Why a restart would only repeat a failure ("" when it may help).
-
-  Args:
-    code: the failed worker's exit code (negative: killed by that signal).
-    error: the class name of the exception its log ends with ("" when none).
-    ran: whether the job ran its first step in this run.
-  """
-  if error in REPEATING:
-    return "a %s repeats on every start" % error
-  if code is not None and code < 0:
-    return ""                                  # killed (OOM, preempted, kill -9): restart
-  if not ran:
-    return ("it failed before the job's first step (%s), which a restart would repeat" %
-            (error or describe_exit(code)))
-  return ""
-
-
-class Restarts:
-  """The restart budget: ``limit`` restarts within ``window`` seconds (0: the whole run)."""
-
-  def __init__(self, limit, window, clock=time.time):
-    self.limit, self.window, self._clock = limit, window, clock
-    self.times = []
-
-  def recent(self):
-    now = self._clock()
-    return [t for t in self.times if not self.window or now - t <= self.window]
-
-  def allow(self):
-    """Takes one restart from the budget; False when it is spent."""
-    if len(self.recent()) >= self.limit:
-      return False
-    self.times.append(self._clock())
-    return True
-
-
 def _listening(settings):
   ports = ", ".join("worker %d on %s" % (i, settings.hosts[i]) for i in settings.local_ranks)
   return ("epl-launch: job %s: %s. TensorFlow's servers listen on every interface without "
@@ -334,7 +286,7 @@ def _run(settings, gpus, running, guard=None):
   """Starts the job (again after a failure, within the restart budget) until it ends;
   ``running`` holds the current run's Job for ``main`` to stop on an interrupt."""
   budget = Restarts(settings.max_restarts, settings.restart_window)
-  attempt = 0
+  attempt = restarts = races = 0            # starts so far, restarts, port races retried
   while True:
     if attempt and settings.local_hosts:                 # fresh ports for the new start
       settings = dataclasses.replace(settings, hosts=tuple(
@@ -347,20 +299,28 @@ def _run(settings, gpus, running, guard=None):
     running[:] = [job]
     job.start()
 
-    def on_status(index, event, attempt=attempt, job=job):
-      if attempt and event.get("event") == status.RUNNING and event.get("global_step") \
+    def on_status(index, event, restarts=restarts, job=job):
+      if restarts and event.get("event") == status.RUNNING and event.get("global_step") \
           is not None and index == min(job.specs):
         job._say("epl-launch: restart %d resumed at global_step %s" % (
-            attempt, event["global_step"]))
+            restarts, event["global_step"]))
     code = job.watch(on_status=on_status)
     if code == 0:
       print("epl-launch: all workers finished%s; logs in %s" % (
-          " (after %d restart(s))" % attempt if attempt else "",
+          " (after %d restart(s))" % restarts if restarts else "",
           os.path.abspath(settings.log_dir)), flush=True)
       return 0
     index, exit_code = job.failure
     sys.stderr.write(job.summary())
-    refused = restart_refused(exit_code, failed_with(job.log_text(index)), job.ran()) \
+    error = failed_with(job.log_text(index))
+    attempt += 1
+    if port_raced(settings, error, job.ran()) and races < PORT_RACES:
+      races += 1
+      print("epl-launch: worker %d found a port epl-launch picked taken by another process "
+            "(%s); starting every worker again on fresh ports (%d of at most %d)" % (
+                index, error, races, PORT_RACES), flush=True)
+      continue
+    refused = restart_refused(exit_code, error, job.ran()) \
         if settings.max_restarts else "no --max_restarts"
     if not refused and not budget.allow():
       refused = "--max_restarts %d reached%s" % (
@@ -371,11 +331,12 @@ def _run(settings, gpus, running, guard=None):
           "" if not settings.max_restarts else " (not restarted: %s)" % refused,
           os.path.abspath(settings.log_dir)), flush=True)
       return 1
-    attempt += 1
+    restarts += 1
     print("epl-launch: restart %d of at most %d: worker %d failed (%s); starting every worker "
           "again, to resume from the last checkpoint" % (
-              attempt, settings.max_restarts, index, describe_exit(exit_code)), flush=True)
+              restarts, settings.max_restarts, index, describe_exit(exit_code)), flush=True)
     time.sleep(RESTART_PAUSE)
+
 
 
 RESTART_PAUSE = 1.0           # seconds between a failed run and the restart

@@ -29,6 +29,7 @@ class Settings:
   max_restarts: int = 0
   restart_window: int = 0          # seconds; 0: restarts count over the whole run
   python: Tuple[str, ...] = ()      # runs a .py script (launch.python); (): the launcher's own
+  picked_ports: bool = False         # epl-launch picked the ports (no --machine_list)
 
   @property
   def local_hosts(self):
@@ -223,7 +224,8 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
     fail("--job_id %r: use letters, digits, '-', '_' and '.'" % job_id)
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
                   args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
-                  port_range, max_restarts, window, python_command(env.python, fail))
+                  port_range, max_restarts, window, python_command(env.python, fail),
+                  picked_ports=not args.machine_list)
 
 
 def python_command(text, fail):

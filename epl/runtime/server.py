@@ -41,6 +41,13 @@ class StartupError(EplError, RuntimeError):
   """The job could not start: a port is taken, or a worker did not join in time."""
 
 
+class AddressTakenError(StartupError):
+  """A worker's address is held by another process: its own server could not bind it, or a
+  peer's address answers as another job's server. When epl-launch picked the ports, another
+  process took one between the pick and the bind, and the launcher starts again on fresh
+  ones (epl.launch.cli)."""
+
+
 def server_config(cluster):
   config = tf.ConfigProto()
   for kind, count in cluster.session_device_count().items():
@@ -71,7 +78,7 @@ def start_server(cluster):
     server = tf.train.Server(spec, job_name=JOB, task_index=cluster.worker_index,
                              config=server_config(cluster), start=True)
   except (tf.errors.UnknownError, tf.errors.InternalError, ValueError) as e:
-    raise StartupError(
+    raise AddressTakenError(
         "worker %d could not start its server on %s (%s); is the port in use? Pick a free "
         "port in TF_CONFIG / --machine_list" % (cluster.worker_index, address,
                                                 str(e).splitlines()[0])) from None
@@ -205,7 +212,7 @@ def _peer_state(server, cluster, job_id, w, read):
   except tf.errors.InvalidArgumentError as e:
     if _UNKNOWN_DEVICE not in str(e):
       raise
-    raise StartupError(
+    raise AddressTakenError(
         "worker %d of job %s: %s, given for worker %d, is a TensorFlow server of another "
         "job (it is not task %d of %d workers). Check TF_CONFIG / --machine_list: every "
         "worker of a job must get the same list" % (me, job_id, address, w, w,
@@ -222,7 +229,7 @@ def _peer_state(server, cluster, job_id, w, read):
     # start, which ends as soon as it notices the restart (its peers are gone)
     return "still runs the job's previous start"
   if their_job != job_id or their_index != str(w):
-    raise StartupError(
+    raise AddressTakenError(
         "worker %d of job %s: %s, given for worker %d, is worker %s of job %s. Two jobs "
         "were given each other's addresses: check TF_CONFIG / --machine_list (or set the "
         "same launch.job_id / --job_id on every worker of one job)" % (
