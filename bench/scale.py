@@ -127,8 +127,10 @@ def child(spec):
                             if micro > 1 else {})}))
     if stages == 1:
       epl.set_default_strategy(epl.replicate(1))
+  imported = time.time()
   tokens, labels, loss, train = build(tf, epl, spec["layers"], spec["hidden"], spec["heads"],
                                       stages)
+  built = time.time()
   graph = tf.get_default_graph()
   user_ops = len(graph.get_operations())
   rows = spec.get("rows") or ROWS * copies
@@ -137,6 +139,7 @@ def child(spec):
   times = []
   with tf.Session() as sess:
     sess.run(tf.global_variables_initializer())
+    initialised = time.time()
     for step in range(spec["steps"] + 3):
       began = time.time()
       sess.run(train, feed)
@@ -147,7 +150,10 @@ def child(spec):
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20      # KiB -> GiB
   print(json.dumps(dict(spec, user_ops=user_ops, ops=len(graph.get_operations()),
                         rewrite=rewrite.get("seconds"), first=first, steady=steady,
-                        rss=rss, host_rss=rss, copies=copies, rows=rows)), flush=True)
+                        rss=rss, host_rss=rss, copies=copies, rows=rows,
+                        phases=dict(imports=imported - STARTED, build=built - imported,
+                                    init=initialised - built, step=first - initialised +
+                                    STARTED))), flush=True)
 
 
 def run(spec):
@@ -227,6 +233,10 @@ def main():
       line += "; steady %.2fx local at equal batch%s" % (
           r["steady"] / base["steady"], " (target <= 1.1)" if r["layout"] == "dp2_m4" else "")
     print(line)
+  print("\nwhere the first step goes, seconds (init: the initializer's run, with epl's rewrite "
+        "in it; step: the first training run):")
+  for r in ok.values():
+    print("%-28s %s" % (r["name"], ", ".join("%s %.1f" % kv for kv in r["phases"].items())))
   _bert_parts(ok)
   if args.json:
     print(json.dumps(results))
