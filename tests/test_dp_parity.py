@@ -155,3 +155,27 @@ def test_with_grappler_on_the_same_model(model, devices, micro, strategies, opti
   merged = session_config(state.cluster, dist.parallel.plan, state.config, None)
   assert not merged.graph_options.rewrite_options.disable_meta_optimizer
   assert epl.Config({}).graph.grappler == "auto"
+
+
+def test_where_grappler_goes_off_so_does_tfs_classic_graph_optimizer_unless_the_user_set_it():
+  """graph.grappler off (auto: a graph of several copies or micro-batches): the session also
+  gets optimizer_options L0 (no per-partition CSE and constant folding, 3 of the 131k-op
+  pipeline graph's 7 s first step); a user's own optimizer or rewrite options stay."""
+  from epl.cluster import Cluster
+  from epl.runtime.session_config import session_config
+  cluster = Cluster.local(2)
+  auto = epl.Config({"pipeline.num_micro_batch": 2})
+  merged = session_config(cluster, None, auto, None)
+  assert merged.graph_options.rewrite_options.disable_meta_optimizer
+  assert merged.graph_options.optimizer_options.opt_level == tf.OptimizerOptions.L0
+  mine = tf.ConfigProto()
+  mine.graph_options.optimizer_options.do_function_inlining = True
+  merged = session_config(cluster, None, auto, mine)
+  assert merged.graph_options.rewrite_options.disable_meta_optimizer
+  assert merged.graph_options.optimizer_options.opt_level == tf.OptimizerOptions.L1
+  assert merged.graph_options.optimizer_options.do_function_inlining
+  on = session_config(cluster, None, epl.Config({"graph.grappler": "on"}), None)
+  assert not on.graph_options.rewrite_options.disable_meta_optimizer
+  assert not on.graph_options.HasField("optimizer_options")
+  local = session_config(Cluster.local(1), None, epl.Config({}), None)
+  assert not local.graph_options.HasField("optimizer_options")

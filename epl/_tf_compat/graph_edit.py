@@ -84,6 +84,19 @@ def import_nodes(graph, graph_def, input_map, names, prefix):
       c_api_util.ScopedTFImportGraphDefResults(results)     # frees them
     finally:
       c_api.TF_DeleteBuffer(buffer)
-    graph._add_new_tf_operations(compute_devices=False)  # pylint: disable=protected-access
+    _wrap_new_operations(graph)
   return [graph._get_operation_by_name(  # pylint: disable=protected-access
       "%s/%s" % (unique, name)) for name in names]
+
+
+def _wrap_new_operations(graph):
+  """TF's Operation objects for the ops an import created. Outside every control-dependency
+  and control-flow scope, ``Graph._add_new_tf_operations``'s second pass over them (control
+  inputs from the dependency scopes, control-flow context checks) finds nothing to do and
+  costs as much as creating them (reading every op's inputs): only the first pass runs."""
+  # pylint: disable=protected-access
+  if graph._control_dependencies_stack or graph._get_control_flow_context() is not None:
+    graph._add_new_tf_operations(compute_devices=False)
+    return
+  for c_op in graph.new_operations():
+    graph._create_op_from_tf_operation(c_op, compute_device=False)
