@@ -75,3 +75,27 @@ def test_a_clone_computes_what_the_original_computes_and_a_taken_prefix_is_made_
     values = sess.run([out, first[out.op.name].outputs[0], second[out.op.name].outputs[0]],
                       feed)
   assert values[0] == values[1] == values[2]
+
+
+def test_an_import_inside_control_dependencies_waits_for_them_as_tfs_import_does():
+  """compat.import_nodes wraps the new ops without TF's control-scope pass only where that
+  pass has nothing to add (no scope, or ``control_dependencies(None)``)."""
+  source = tf.Graph()
+  with source.as_default():
+    tf.add(tf.constant(1.0, name="a"), 1.0, name="b")
+  names = ["a", "b", "b/y"]
+
+  def imported(scope, via_tf):
+    graph = tf.Graph()
+    with graph.as_default():
+      gate = tf.no_op(name="gate")
+      with tf.control_dependencies({"none": [], "cleared": None, "inputs": [gate]}[scope]):
+        ops = tf.import_graph_def(source.as_graph_def(), return_elements=names,
+                                  name="copy") if via_tf else \
+            compat.import_nodes(graph, source.as_graph_def(), {}, names, "copy")
+      assert all(graph.get_operation_by_name(op.name) is op for op in ops)
+      return [[c.name for c in op.control_inputs] for op in ops]
+  for scope in ("none", "cleared", "inputs"):
+    ours = imported(scope, via_tf=False)
+    assert ours == imported(scope, via_tf=True), scope
+    assert any(ours) == (scope == "inputs"), scope

@@ -95,7 +95,9 @@ def _wrap_new_operations(graph):
   inputs from the dependency scopes, control-flow context checks) finds nothing to do and
   costs as much as creating them (reading every op's inputs): only the first pass runs."""
   # pylint: disable=protected-access
-  if graph._control_dependencies_stack or graph._get_control_flow_context() is not None:
+  # (``tf.control_dependencies(None)`` pushes a controller with no inputs: nothing to add)
+  if any(c.control_inputs for c in graph._control_dependencies_stack) or \
+      graph._get_control_flow_context() is not None:
     graph._add_new_tf_operations(compute_devices=False)
     return
   for c_op in graph.new_operations():
