@@ -3,7 +3,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.clone import NodeDefCache, clone_ops
+from epl.passes.clone import Cloner, NodeDefCache, clone_ops
 
 
 def _model():
@@ -99,3 +99,27 @@ def test_an_import_inside_control_dependencies_waits_for_them_as_tfs_import_does
     ours = imported(scope, via_tf=False)
     assert ours == imported(scope, via_tf=True), scope
     assert any(ours) == (scope == "inputs"), scope
+
+
+def test_a_cloner_builds_each_prefix_what_clone_ops_builds_for_it():
+  """The pipeline's micro-batches share one Cloner per copy: every clone must be the one
+  clone_ops makes alone (its own while frame, dropout seed and resource variable name)."""
+  def build(shared):
+    graph, x, loss, done = _model()
+    with graph.as_default():
+      with tf.variable_scope("r", use_resource=True):
+        tf.get_variable("w", [2], initializer=tf.ones_initializer())
+    ops = [op for op in graph.get_operations() if op.type != "Placeholder"]
+    assert any(op.type == "VarHandleOp" for op in ops) and any(op.type == "Enter" for op in ops)
+    devices = lambda op: "/device:CPU:0"
+    if shared:
+      cloner = Cloner(graph, ops, devices, NodeDefCache(graph))
+      maps = [cloner.clone("mb_%d" % m) for m in (1, 2)]
+    else:
+      maps = [clone_ops(graph, ops, "mb_%d" % m, devices, node_cache=NodeDefCache(graph))
+              for m in (1, 2)]
+    return graph, maps
+  (ours, maps), (theirs, _) = build(True), build(False)
+  assert _nodes(ours) == _nodes(theirs)
+  first, second = (_nodes(ours)[m["r/w"].name] for m in maps)
+  assert first.attr["shared_name"].s != second.attr["shared_name"].s

@@ -15,7 +15,7 @@ from typing import Dict, Mapping
 
 import tensorflow.compat.v1 as tf
 
-from epl.passes.clone import clone_ops, wait_for_clones
+from epl.passes.clone import Cloner, wait_for_clones
 from epl.op_tables import VARIABLE_OPS
 from epl.passes.replicate import device_function
 
@@ -55,12 +55,12 @@ def micro_batch(ctx):
       ops = ops + [split for split, _ in splits]
     elif splits:
       ops = [op for op in ops if op not in sources]
+    cloner = Cloner(ctx.graph, ops, device_function(ctx, c), ctx.nodes) if ops else None
     for m in range(1, count):
       input_map = dict(own)
       if splits and j:                       # the others take their piece of that batch
         for split, _ in splits:
           input_map[split.outputs[0]] = out[(c - j, m)][split.name].outputs[j]
-      out[(c, m)] = clone_ops(ctx.graph, ops, "EPL_MB_%d_R_%d" % (m, c),
-                              device_function(ctx, c), input_map, ctx.nodes)
+      out[(c, m)] = cloner.clone("EPL_MB_%d_R_%d" % (m, c), input_map) if cloner else {}
   wait_for_clones(analysis.singletons, list(out.values()), compute_set)
   return MicroBatches(out)
