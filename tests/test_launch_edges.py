@@ -452,3 +452,5 @@ def test_a_picked_port_another_process_took_first_starts_the_job_again_on_fresh_
                    r"ports \(1 of at most 3\)", text), text[-4000:]
   assert "could not start its server" in text and "restart 1" not in text, text[-4000:]
   assert "epl-launch: all workers finished; logs in" in text, text[-4000:]
+  job_id = re.search(r"epl-launch: job (\S+):", text).group(1)
+  assert not _job_processes(job_id), "left behind: %s" % _job_processes(job_id)

@@ -56,8 +56,6 @@ def clone_ops(graph, ops, prefix, device_fn, input_map=None, node_cache=None, ed
   Returns:
     {original op name: cloned Operation}.
   """
-  if not ops:
-    return {}
   return Cloner(graph, ops, device_fn, node_cache, edit).clone(prefix, input_map)
 
 
@@ -107,6 +105,8 @@ class Cloner:
 
   def clone(self, prefix, input_map=None):
     """{original op name: its clone under ``prefix``}; ``input_map`` as ``clone_ops``'s."""
+    if not self.names:
+      return {}
     input_map = input_map or {}
     for node, own in self.prefixed:
       _rename_for_clone(node, own, prefix)

@@ -55,12 +55,12 @@ def micro_batch(ctx):
       ops = ops + [split for split, _ in splits]
     elif splits:
       ops = [op for op in ops if op not in sources]
-    cloner = Cloner(ctx.graph, ops, device_function(ctx, c), ctx.nodes) if ops else None
+    cloner = Cloner(ctx.graph, ops, device_function(ctx, c), ctx.nodes)
     for m in range(1, count):
       input_map = dict(own)
       if splits and j:                       # the others take their piece of that batch
         for split, _ in splits:
           input_map[split.outputs[0]] = out[(c - j, m)][split.name].outputs[j]
-      out[(c, m)] = cloner.clone("EPL_MB_%d_R_%d" % (m, c), input_map) if cloner else {}
+      out[(c, m)] = cloner.clone("EPL_MB_%d_R_%d" % (m, c), input_map)
   wait_for_clones(analysis.singletons, list(out.values()), compute_set)
   return MicroBatches(out)
