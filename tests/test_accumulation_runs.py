@@ -109,6 +109,22 @@ def test_a_step_is_one_fetch_signature():
   assert len(set(steps)) == 1 and "epl_accumulate" in str(steps[0]), set(steps)
 
 
+def test_a_run_adds_its_weighted_gradient_in_place():
+  # mean and row weights: each run's gradient times its factor is added by one fused kernel
+  # into the sum, not multiplied into a gradient-sized tensor first (docs/benchmarks.md)
+  seen = {}
+
+  def spy(sess):
+    ops = [op for op in sess.graph.get_operations() if op.name.startswith("epl_grad_sync/")]
+    seen["adds"] = [op for op in ops if op.type == "ResourceApplyGradientDescent"]
+    seen["other"] = [op for op in ops if op.type in ("AssignAddVariableOp", "Mul") and
+                     op.inputs[0].shape.num_elements() not in (None, 1) and
+                     "/epl_all_reduce" not in op.name]     # (the mean over copies: last run)
+  _train(13, _config(2, 4, "runs"), spy=spy)
+  assert len(seen["adds"]) == 4 * 2, seen["adds"]          # 4 variables x 2 copies
+  assert not seen["other"], seen["other"]
+
+
 def test_a_step_that_fails_between_its_runs_leaves_no_partial_sum():
   # the failing step's last run is rejected after its earlier runs added to the sums: the
   # next step must start from zero sums (the local step failed whole: nothing updated)
