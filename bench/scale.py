@@ -1,8 +1,9 @@
 """Real model sizes: what a worker pays before its first step, per layout (#36).
 
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
-                        [--bert-parts] [--steps 5] [--grappler on|off|auto] [--micro-batches auto|runs|clones]
-                        [--json]
+                        [--bert-rows 8] [--bert-seq 32] [--bert-parts] [--local-bfc]
+                        [--steps 5] [--grappler on|off|auto]
+                        [--micro-batches auto|runs|clones] [--json]
 
 Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
 CPU devices): a GPT-style stack of L transformer blocks (hidden 256, 4 heads, sequence 32,
@@ -11,10 +12,12 @@ vocabulary 512, Adam), 8 rows per model copy per step. Layouts:
   dp8            epl, replicate(1) on 8 devices: 8 copies, 64 rows
   dp8_m4         the same with pipeline.num_micro_batch 4 (gradient accumulation), 64 rows
   pipe4_dp2_m8   4 pipeline stages x 2 replicas on 8 devices, 8 micro-batches, 16 rows
-``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence 32, 8 rows per step)
-local, and on 2 devices x 4 micro-batches at the same global batch. ``--bert-parts`` adds where
-that step goes: the local script at 1 and 2 rows (one micro-batch's work), DP 2 without
-micro-batches, 1 device x 4 micro-batches; and DP 2 x 4 over 8 one-row local steps.
+``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence ``--bert-seq`` (32),
+``--bert-rows`` rows per step) local, and on 2 devices x 4 micro-batches at the same global
+batch. ``--bert-parts`` adds where that step goes: the local script accumulating the same 8
+micro-batches by hand (TF1's usual recipe: a sum variable per weight, one run per micro-batch,
+then the update), the local script at one micro-batch's rows, DP 2 without micro-batches.
+``--local-bfc``: the local rows with the pooled CPU allocator epl sets on import.
 
 Per configuration it prints: the user's ops, the ops in the process's graph after the rewrite,
 epl's rewrite seconds, seconds from the process's start to the end of the first step, the
@@ -67,8 +70,11 @@ def _block(tf, h, hidden, heads, name):
     return h + tf.layers.dense(m, hidden, name="mlp_proj")
 
 
-def build(tf, epl, layers, hidden, heads, stages):
-  """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes."""
+def build(tf, epl, layers, hidden, heads, stages, by_hand=1):
+  """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes.
+  ``by_hand`` > 1: the local script's own gradient accumulation over that many micro-batches,
+  as TF1 users write it (``train`` is then (accumulate, apply and zero): ``by_hand`` runs of
+  the first, each on its rows, then one of the second)."""
   tokens = tf.placeholder(tf.int32, [None, SEQ], name="tokens")
   labels = tf.placeholder(tf.int32, [None, SEQ], name="labels")
   def scope(i):
@@ -90,14 +96,24 @@ def build(tf, epl, layers, hidden, heads, stages):
     logits = tf.layers.dense(h, VOCAB, name="lm_head")
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=labels, logits=logits))
-    train = tf.train.AdamOptimizer(1e-4).minimize(loss)
-  return tokens, labels, loss, train
+    optimizer = tf.train.AdamOptimizer(1e-4)
+    if by_hand == 1:
+      return tokens, labels, loss, optimizer.minimize(loss)
+  pairs = optimizer.compute_gradients(loss)
+  sums = [tf.Variable(tf.zeros(v.shape), trainable=False) for _, v in pairs]
+  accumulate = tf.group([s.assign_add(g) for s, (g, _) in zip(sums, pairs)])
+  apply = optimizer.apply_gradients([(s / by_hand, v) for s, (_, v) in zip(sums, pairs)])
+  with tf.control_dependencies([apply]):
+    zero = tf.group([s.assign(tf.zeros(s.shape)) for s in sums])
+  return tokens, labels, loss, (accumulate, zero)
 
 
 def child(spec):
   os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")         # tf.layers (epl sets it too)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+  global SEQ
+  SEQ = spec.get("seq", SEQ)
   import resource
   import numpy as np
   import tensorflow.compat.v1 as tf
@@ -105,10 +121,11 @@ def child(spec):
   layout = spec["layout"]
   devices, micro, stages = {"local": (1, 1, 1), "dp8": (8, 1, 1), "dp8_m4": (8, 4, 1),
                             "pipe4_dp2_m8": (8, 8, 4), "dp2_m4": (2, 4, 1), "dp2": (2, 1, 1),
-                            "dp1_m4": (1, 4, 1)}[layout]
+                            "dp1_m4": (1, 4, 1), "local_m8": (1, 1, 1)}[layout]
+  by_hand = 8 if layout == "local_m8" else 1
   copies = devices // stages
   epl, rewrite = None, {}
-  if layout != "local":
+  if not layout.startswith("local"):
     import epl
     from epl.runtime import driver
     original = driver.rewrite
@@ -129,7 +146,7 @@ def child(spec):
       epl.set_default_strategy(epl.replicate(1))
   imported = time.time()
   tokens, labels, loss, train = build(tf, epl, spec["layers"], spec["hidden"], spec["heads"],
-                                      stages)
+                                      stages, by_hand)
   built = time.time()
   graph = tf.get_default_graph()
   user_ops = len(graph.get_operations())
@@ -142,7 +159,12 @@ def child(spec):
     initialised = time.time()
     for step in range(spec["steps"] + 3):
       began = time.time()
-      sess.run(train, feed)
+      if by_hand == 1:
+        sess.run(train, feed)
+      else:
+        for m in range(by_hand):
+          sess.run(train[0], {t: v[m::by_hand] for t, v in feed.items()})
+        sess.run(train[1])
       times.append(time.time() - began)
       if step == 0:
         first = time.time() - STARTED
@@ -159,7 +181,7 @@ def child(spec):
 def run(spec):
   out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                        capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+                       env=dict(os.environ, PYTHONPATH=ROOT, **spec.get("env", {})))
   lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
   if out.returncode or not lines:
     return dict(spec, error=(out.stderr or out.stdout)[-600:])
@@ -183,6 +205,15 @@ def main():
   p.add_argument("--bert-parts", action="store_true",
                  help="with --bert: where DP 2 x 4's step goes (the local script at 1 and 2 "
                       "rows, DP 2 without micro-batches, 1 device x 4 micro-batches)")
+  p.add_argument("--bert-rows", type=int, default=ROWS,
+                 help="with --bert: the global batch in rows (default %(default)s: one row per "
+                      "micro-batch of DP 2 x 4)")
+  p.add_argument("--bert-seq", type=int, default=SEQ,
+                 help="with --bert: the sequence length (default %(default)s)")
+  p.add_argument("--local-bfc", action="store_true",
+                 help="run the local script with TF's pooling CPU allocator too "
+                      "(TF_CPU_ALLOCATOR_USE_BFC=true, which epl sets on import): the "
+                      "local rows then differ from the epl rows only by epl")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--grappler", default="auto", choices=["on", "off", "auto"],
                  help="epl's graph.grappler key for the epl layouts")
@@ -198,17 +229,22 @@ def main():
            for layers in args.layers.split(",") if layers for layout in args.layouts.split(",")]
   if args.bert:
     specs += [dict(name="BERT-base local", layers=12, hidden=768, heads=12, layout="local",
-                   steps=args.steps, rows=ROWS),
+                   steps=args.steps, rows=args.bert_rows, seq=args.bert_seq),
               dict(name="BERT-base dp2_m4", layers=12, hidden=768, heads=12, layout="dp2_m4",
-                   steps=args.steps, rows=ROWS, grappler=args.grappler,
-                   micro_batches=args.micro_batches)]
+                   steps=args.steps, rows=args.bert_rows, grappler=args.grappler,
+                   micro_batches=args.micro_batches, seq=args.bert_seq)]
     if args.bert_parts:
       bert = dict(layers=12, hidden=768, heads=12, steps=args.steps, grappler=args.grappler,
-                  micro_batches=args.micro_batches)
-      specs += [dict(bert, name="BERT-base local 1 row", layout="local", rows=1),
-                dict(bert, name="BERT-base local 2 rows", layout="local", rows=2),
-                dict(bert, name="BERT-base dp2", layout="dp2", rows=ROWS),
-                dict(bert, name="BERT-base dp1_m4", layout="dp1_m4", rows=ROWS)]
+                  micro_batches=args.micro_batches, seq=args.bert_seq)
+      specs += [dict(bert, name="BERT-base local by hand x 8", layout="local_m8",
+                     rows=args.bert_rows),
+                dict(bert, name="BERT-base local 1 micro-batch", layout="local",
+                     rows=max(1, args.bert_rows // 8)),
+                dict(bert, name="BERT-base dp2", layout="dp2", rows=args.bert_rows)]
+  if args.local_bfc:
+    for spec in specs:
+      if spec["layout"].startswith("local"):
+        spec["env"] = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
   # the first process would read TF's files from disk: warm the file cache so that every row
   # (the local baseline first) starts alike
   subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True,
@@ -222,7 +258,7 @@ def main():
   ok = {r["name"]: r for r in results if "error" not in r}
   print("\nratios (this run):")
   for r in ok.values():
-    if r["layout"] == "local":
+    if r["layout"].startswith("local"):
       continue
     base = ok.get("L%d local" % r["layers"]) if r["name"].startswith("L") else \
         ok.get("BERT-base local")
@@ -233,7 +269,7 @@ def main():
                                              r["host_rss"] / (base["host_rss"] * r["copies"]))
     if r["layout"] == "dp8":
       line += "; steady %.2fx 8x local (target <= 1.2)" % (r["steady"] / (8 * base["steady"]))
-    if r["layout"] in ("dp2_m4", "dp2", "dp1_m4"):
+    if r["layout"] in ("dp2_m4", "dp2"):
       line += "; steady %.2fx local at equal batch%s" % (
           r["steady"] / base["steady"], " (target <= 1.1)" if r["layout"] == "dp2_m4" else "")
     print(line)
@@ -247,14 +283,20 @@ def main():
 
 
 def _bert_parts(ok):
-  """Each micro-batch computes a whole weight gradient: DP 2 x 4 against 8 one-row steps of the
-  local script on the same cores (and 1 device x 4 against 4 two-row steps)."""
-  one, two = ok.get("BERT-base local 1 row"), ok.get("BERT-base local 2 rows")
-  for name, base, runs in (("BERT-base dp2_m4", one, 8), ("BERT-base dp1_m4", two, 4)):
-    if name in ok and base is not None:
-      print("%-28s steady %.2fx %d x the local script's %d-row step (the same micro-batches "
-            "run alone)" % (name, ok[name]["steady"] / (runs * base["steady"]), runs,
-                            base["rows"]))
+  """Where DP 2 x 4's step goes: against the local script accumulating the same 8
+  micro-batches by hand (what epl adds: the all-reduce, two updates, the runs' machinery), and
+  against 8 local steps of one micro-batch's rows (each micro-batch is a whole forward and
+  backward, however few its rows)."""
+  dp, by_hand, one = (ok.get("BERT-base " + n) for n in ("dp2_m4", "local by hand x 8",
+                                                          "local 1 micro-batch"))
+  if dp is None:
+    return
+  if by_hand is not None:
+    print("%-28s steady %.2fx the local script's own accumulation of the same 8 micro-batches"
+          % (dp["name"], dp["steady"] / by_hand["steady"]))
+  if one is not None:
+    print("%-28s steady %.2fx 8 x the local script's %d-row step" % (
+        dp["name"], dp["steady"] / (8 * one["steady"]), one["rows"]))
 
 
 if __name__ == "__main__":
