@@ -1,7 +1,7 @@
 """Real model sizes: what a worker pays before its first step, per layout (#36).
 
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
-                        [--bert-rows 8] [--bert-seq 32] [--bert-parts] [--local-bfc]
+                        [--bert-rows 32] [--bert-seq 128] [--bert-parts] [--local-bfc]
                         [--steps 5] [--grappler on|off|auto]
                         [--micro-batches auto|runs|clones] [--json]
 
@@ -12,11 +12,12 @@ vocabulary 512, Adam), 8 rows per model copy per step. Layouts:
   dp8            epl, replicate(1) on 8 devices: 8 copies, 64 rows
   dp8_m4         the same with pipeline.num_micro_batch 4 (gradient accumulation), 64 rows
   pipe4_dp2_m8   4 pipeline stages x 2 replicas on 8 devices, 8 micro-batches, 16 rows
-``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence ``--bert-seq`` (32),
-``--bert-rows`` rows per step) local, and on 2 devices x 4 micro-batches at the same global
-batch. ``--bert-parts`` adds where that step goes: the local script accumulating the same 8
-micro-batches by hand (TF1's usual recipe: a sum variable per weight, one run per micro-batch,
-then the update), the local script at one micro-batch's rows, DP 2 without micro-batches.
+``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence ``--bert-seq``: 128, BERT's
+own; ``--bert-rows`` rows per step: 32, 4 per micro-batch) local, and on 2 devices x 4
+micro-batches at the same global batch. ``--bert-parts`` adds where that step goes: the local
+script accumulating the same 8 micro-batches by hand (TF1's usual recipe: a sum variable per
+weight, one run per micro-batch, then the update), the local script at one micro-batch's
+rows, DP 2 without micro-batches.
 ``--local-bfc``: the local rows with the pooled CPU allocator epl sets on import.
 
 Per configuration it prints: the user's ops, the ops in the process's graph after the rewrite,
@@ -38,6 +39,7 @@ STARTED = time.time()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("local", "dp8", "dp8_m4", "pipe4_dp2_m8")
 ROWS = 8                      # per model copy per step
+BERT_ROWS, BERT_SEQ = 32, 128
 SEQ, VOCAB = 32, 512
 
 
@@ -205,10 +207,10 @@ def main():
   p.add_argument("--bert-parts", action="store_true",
                  help="with --bert: where DP 2 x 4's step goes (the local script at 1 and 2 "
                       "rows, DP 2 without micro-batches, 1 device x 4 micro-batches)")
-  p.add_argument("--bert-rows", type=int, default=ROWS,
-                 help="with --bert: the global batch in rows (default %(default)s: one row per "
+  p.add_argument("--bert-rows", type=int, default=BERT_ROWS,
+                 help="with --bert: the global batch in rows (default %(default)s: 4 rows per "
                       "micro-batch of DP 2 x 4)")
-  p.add_argument("--bert-seq", type=int, default=SEQ,
+  p.add_argument("--bert-seq", type=int, default=BERT_SEQ,
                  help="with --bert: the sequence length (default %(default)s)")
   p.add_argument("--local-bfc", action="store_true",
                  help="run the local script with TF's pooling CPU allocator too "
