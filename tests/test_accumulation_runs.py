@@ -183,3 +183,40 @@ def test_sparse_gradients_stay_sparse_over_the_runs(optimizer):
   np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
   for name, value in local.items():
     np.testing.assert_allclose(end[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _float64_steps(config, initial):
+  """A float64 regression (its gradients, factors and sums float64) on 13 rows a step."""
+  rng = np.random.RandomState(7)
+  xs, ys = rng.randn(3, 13, 5), rng.randn(3, 13, 1)
+  g = tf.Graph()
+  with g.as_default():
+    tf.set_random_seed(3)
+    if config:
+      epl.init(epl.Config(config))
+      epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.float64, [None, 5])
+    y = tf.placeholder(tf.float64, [None, 1])
+    w = tf.get_variable("w", [5, 1], tf.float64)
+    b = tf.get_variable("b", [1], tf.float64, initializer=tf.zeros_initializer())
+    loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(x), w) + b - y))
+    train = tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      if initial:
+        load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
+      start = read_values(sess, tf.global_variables())
+      losses = [sess.run([train, loss], {x: xs[s], y: ys[s]})[1] for s in range(3)]
+      return start, read_values(sess, tf.global_variables()), losses
+
+
+@pytest.mark.parametrize("how", ["runs", "clones"])
+def test_float64_gradients_are_summed_in_their_dtype(how):
+  # 13 rows over 2 copies x 4 micro-batches: uneven pieces, each weighted by its rows -- row
+  # weights, sums and fetched means in float64 (float32 weights lost ~4e-8 of each)
+  start, local, local_losses = _float64_steps(None, None)
+  _, end, losses = _float64_steps(_config(2, 4, how), start)
+  np.testing.assert_allclose(losses, local_losses, rtol=1e-12)
+  for name, value in local.items():
+    assert end[name].dtype == np.float64
+    np.testing.assert_allclose(end[name], value, rtol=1e-12, atol=1e-13, err_msg=name)

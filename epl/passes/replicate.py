@@ -74,7 +74,8 @@ def replicate(ctx):
   if analysis.batch_placeholders and pieces * plan.accumulate_runs > 1:
     with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
         tf.device(worker.host):
-      weights = tf.placeholder_with_default(tf.ones([pieces]), [pieces], name="epl_row_weights")
+      weights = tf.placeholder_with_default(tf.ones([pieces], tf.float64), [pieces],
+                                            name="epl_row_weights")
   if n == 1:
     mirrored = {v.name: [v] for v in analysis.mirrored}
     sync_op = _build_sync(ctx, _synced(plan, mirrored)) if plan.worker_num > 1 else None

@@ -142,7 +142,9 @@ class FeedSplitter:
           if target is not None:
             outs[i % runs][target] = piece
         if weights is None and len(set(sizes)) > 1:
-          weights = np.asarray(sizes, np.float32) * (self.pieces / float(sum(sizes)))
+          # (float64: each use casts to its tensor's dtype -- a float64 model's gradients and
+          # fetched means keep their precision)
+          weights = np.asarray(sizes, np.float64) * (self.pieces / float(sum(sizes)))
       else:
         for out in outs:
           for target in targets:
