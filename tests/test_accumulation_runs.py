@@ -148,15 +148,31 @@ def test_runs_refused_where_they_do_not_apply():
         sess.run(train, {x: np.zeros([4, 8]), y: np.zeros([4])})
 
 
-def _embedding_step(config, initial, optimizer):
-  rng = np.random.RandomState(5)
-  ids, labels = rng.randint(0, 30, [4, 16, 3]), rng.randint(0, 4, [4, 16])
+def _steps(config, initial, seed, model, batches):
+  """Trains ``model()`` -> (placeholders, loss, train) one step per feed of ``batches`` (tuples
+  for the placeholders), from ``initial`` values if given; returns start values, end values
+  and the losses."""
   g = tf.Graph()
   with g.as_default():
-    tf.set_random_seed(2)
+    tf.set_random_seed(seed)
     if config:
       epl.init(epl.Config(config))
       epl.set_default_strategy(epl.replicate(1))
+    placeholders, loss, train = model()
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      if initial:
+        load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
+      start = read_values(sess, tf.global_variables())
+      losses = [sess.run([train, loss], dict(zip(placeholders, batch)))[1] for batch in batches]
+      return start, read_values(sess, tf.global_variables()), losses
+
+
+def _embedding_step(config, initial, optimizer):
+  rng = np.random.RandomState(5)
+  ids, labels = rng.randint(0, 30, [4, 16, 3]), rng.randint(0, 4, [4, 16])
+
+  def model():
     x = tf.placeholder(tf.int64, [None, 3])
     y = tf.placeholder(tf.int64, [None])
     table = tf.get_variable("table", [40, 8])        # rows 30..39 never touched
@@ -164,14 +180,8 @@ def _embedding_step(config, initial, optimizer):
     loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 4, name="out"))
     opt = {"momentum": tf.train.MomentumOptimizer(0.5, 0.9),
            "adam": tf.train.AdamOptimizer(0.05)}[optimizer]
-    train = opt.minimize(loss)
-    with tf.Session() as sess:
-      sess.run(tf.global_variables_initializer())
-      if initial:
-        load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
-      start = read_values(sess, tf.global_variables())
-      losses = [sess.run([train, loss], {x: ids[s], y: labels[s]})[1] for s in range(4)]
-      return start, read_values(sess, tf.global_variables()), losses
+    return (x, y), loss, opt.minimize(loss)
+  return _steps(config, initial, 2, model, list(zip(ids, labels)))
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
@@ -189,25 +199,15 @@ def _float64_steps(config, initial):
   """A float64 regression (its gradients, factors and sums float64) on 13 rows a step."""
   rng = np.random.RandomState(7)
   xs, ys = rng.randn(3, 13, 5), rng.randn(3, 13, 1)
-  g = tf.Graph()
-  with g.as_default():
-    tf.set_random_seed(3)
-    if config:
-      epl.init(epl.Config(config))
-      epl.set_default_strategy(epl.replicate(1))
+
+  def model():
     x = tf.placeholder(tf.float64, [None, 5])
     y = tf.placeholder(tf.float64, [None, 1])
     w = tf.get_variable("w", [5, 1], tf.float64)
     b = tf.get_variable("b", [1], tf.float64, initializer=tf.zeros_initializer())
     loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(x), w) + b - y))
-    train = tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
-    with tf.Session() as sess:
-      sess.run(tf.global_variables_initializer())
-      if initial:
-        load_values(sess, tf.global_variables(), lambda v: initial[v.op.name])
-      start = read_values(sess, tf.global_variables())
-      losses = [sess.run([train, loss], {x: xs[s], y: ys[s]})[1] for s in range(3)]
-      return start, read_values(sess, tf.global_variables()), losses
+    return (x, y), loss, tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+  return _steps(config, initial, 3, model, list(zip(xs, ys)))
 
 
 @pytest.mark.parametrize("how", ["runs", "clones"])

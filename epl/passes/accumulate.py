@@ -89,8 +89,7 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
     with tf.device(worker.device_of(c, tg)):
       g = copy_tensor(clones, c, grad)
       first.append(g)
-      values = g.values if isinstance(g, tf.IndexedSlices) else g
-      factor = sums.factor(c, values.dtype.base_dtype, weights, mean)
+      factor = sums.factor(c, parts_of(g)[0].dtype.base_dtype, weights, mean)
     summed, add, reset, init = sums.summed(worker.device_of(c, tg), g, factor, shape,
                                            "%s_%d" % (name, c))
     per_copy.append(summed)
