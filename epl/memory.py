@@ -19,7 +19,7 @@ from typing import Dict
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.op_tables import VARIABLE_OPS
+from epl.op_tables import VARIABLE_OPS, variable_dtype, variable_shape
 
 _DEVICE = re.compile(
     r"(?:/job:([^/]+))?(?:/replica:\d+)?(?:/task:(\d+))?/device:([A-Za-z]+):(\d+)")
@@ -101,9 +101,7 @@ def variable_bytes(graph, only=None):
   for op in graph.get_operations():
     if op.type not in VARIABLE_OPS or (only is not None and op not in only):
       continue
-    dtype = tf.as_dtype(op.get_attr("dtype")) if op.type == "VarHandleOp" else \
-        op.outputs[0].dtype.base_dtype
-    shape = tf.TensorShape(op.get_attr("shape"))
+    dtype, shape = variable_dtype(op), variable_shape(op)
     if shape.is_fully_defined():
       out[short_device(op.device) or "(unplaced)"] += int(np.prod(shape.as_list())) * \
           dtype.size

@@ -90,7 +90,33 @@ def pinned_to_host(op):
   return (spec.device_type or "").upper() == "CPU" and spec.device_index in (None, 0)
 
 
+# Ops TF marks stateful that only read a resource variable (their order against its writes
+# matters; they change nothing): not updates.
+RESOURCE_READ_OPS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "ResourceGather",
+                               "ResourceGatherNd", "VariableShape"})
+
+
 def mutates(op):
-  """True for ops with side effects: stateful ones, and those writing through a ref input
-  (``Assign``, ``ApplyMomentum``: TF does not mark them stateful)."""
+  """True for ops with side effects: stateful ones (but a resource variable's reads), and
+  those writing through a ref input (``Assign``, ``ApplyMomentum``: TF does not mark them
+  stateful)."""
+  if op.type in RESOURCE_READ_OPS:
+    return False
   return op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg)
+
+
+def variable_shape(op):
+  """The shape of the value variable op ``op`` holds (its ``shape`` attr: a resource
+  variable's output is a scalar handle, not the value)."""
+  return tf.TensorShape(op.get_attr("shape"))
+
+
+def variable_dtype(op):
+  """The dtype of the value variable op ``op`` holds (a resource handle's is ``resource``)."""
+  return tf.as_dtype(op.get_attr("dtype")).base_dtype
+
+
+def variable_size(op):
+  """Elements in variable op ``op`` (0 when its shape is not fully known)."""
+  shape = variable_shape(op)
+  return shape.num_elements() if shape.is_fully_defined() else 0

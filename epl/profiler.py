@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.op_tables import READ_OPS, VARIABLE_OPS, mutates
+from epl.op_tables import READ_OPS, VARIABLE_OPS, mutates, variable_dtype, variable_shape
 from epl.plan.auto.profile import Node, Profile
 
 _NOT_LAYERS = ("gradients", "epl_", "EPL_", "save", "init", "report_uninitialized")
@@ -73,9 +73,7 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
   for var in trainable:
     layer, _ = layer_of(var.name + "/x")
     if layer in index:
-      shape = var.outputs[0].shape if var.type != "VarHandleOp" else \
-          tf.TensorShape(var.get_attr("shape"))
-      dtype = tf.as_dtype(var.get_attr("dtype")).base_dtype
+      shape, dtype = variable_shape(var), variable_dtype(var)
       params[layer] += int(np.prod(shape.as_list())) * dtype.size
   edges = []
   for layer in order:

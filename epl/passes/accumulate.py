@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from epl.op_tables import variable_shape
 from epl.passes.clone import rewire
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
   its sum over the step's runs."""
   worker, mean = ctx.worker, ctx.plan.communication.reduce_method == "mean"
   copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
-  shape = var_op.outputs[0].shape
+  shape = variable_shape(var_op)
   per_copy, first, adds, resets, inits = [], [], [], [], []
   name = var_op.name.replace("/", "_")
   for c in copies:

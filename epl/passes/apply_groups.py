@@ -15,10 +15,10 @@ schedule, a global norm) and the optimizer's once-per-step bookkeeping (Adam's b
 import dataclasses
 from typing import Tuple
 
-import numpy as np
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
+from epl.op_tables import variable_size
 from epl.passes.slots import ancestors, owner_of, written
 
 
@@ -30,12 +30,6 @@ class ApplyGroups:
   def __str__(self):
     return "ApplyGroups(%s)" % "; ".join(
         " | ".join(",".join(g) for g in groups) for groups in self.groups)
-
-
-def _size(var_op):
-  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
-      tf.TensorShape(var_op.get_attr("shape"))
-  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0
 
 
 def _balance(sizes, g):
@@ -70,7 +64,7 @@ def apply_groups(ctx):
       owner = owner_of(var.name, trained) if var is not None else None
       if owner is not None and ctx.owner.get(get(owner)) == tg:
         writes.setdefault(owner, []).append(op)
-    groups = _balance({v: _size(get(v)) for v in writes}, g)
+    groups = _balance({v: variable_size(get(v)) for v in writes}, g)
     if len(groups) < 2:
       plan_groups.append(tuple(tuple(grp) for grp in groups))
       continue

@@ -11,10 +11,8 @@ ZeRO (a sparse update reads rows its owner's copy alone would not have). Returns
 import dataclasses
 from typing import Dict, Tuple
 
-import numpy as np
-import tensorflow.compat.v1 as tf
-
 from epl import _tf_compat as compat
+from epl.op_tables import variable_size
 from epl.passes.slots import owner_of, written
 
 
@@ -55,13 +53,13 @@ def assign_owners(ctx):
   for name in sparse_across_workers(ctx.plan):
     updates.pop(name, None)
   loads, owners = {}, {}
-  for name in sorted(updates, key=lambda v: (-_size(get(v)), v)):
+  for name in sorted(updates, key=lambda v: (-variable_size(get(v)), v)):
     # per device of the stage: a split TaskGraph's parts each balance their own variables
     stage = loads.setdefault((ctx.owner.get(get(name)), ctx.plan.part_of(name)),
                              [0] * len(job))
     k = stage.index(min(stage))
     owners[name] = k
-    stage[k] += _size(get(name))
+    stage[k] += variable_size(get(name))
   return owners, updates
 
 
@@ -73,7 +71,3 @@ def sparse_across_workers(plan):
   return sorted({g.variable for g in plan.gradients if g.sparse})
 
 
-def _size(var_op):
-  shape = var_op.outputs[0].shape if var_op.type != "VarHandleOp" else \
-      tf.TensorShape(var_op.get_attr("shape"))
-  return int(np.prod(shape.as_list())) if shape.is_fully_defined() else 0

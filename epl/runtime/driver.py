@@ -13,7 +13,7 @@ import time
 import epl.passes
 from epl import _tf_compat as compat
 from epl.amp import apply_amp
-from epl.op_tables import VARIABLE_OPS
+from epl.op_tables import VARIABLE_OPS, variable_dtype, variable_shape
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
 from epl.runtime import serve
@@ -108,9 +108,9 @@ def deadline_note(graph, plan):
       var = graph.get_operation_by_name(g.variable)
     except KeyError:
       continue
-    shape = var.outputs[0].shape
+    shape = variable_shape(var)
     if shape.is_fully_defined():
-      total += shape.num_elements() * var.outputs[0].dtype.base_dtype.size
+      total += shape.num_elements() * variable_dtype(var).size
   n, seconds = plan.worker_num, plan.communication.timeout
   wire = 2.0 * (n - 1) / n * total
   rate = wire * 8 / seconds
