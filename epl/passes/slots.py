@@ -54,7 +54,9 @@ class TrainEnds:
   """Which train op an update belongs to: the ends (ops nothing follows) reached downstream
   of an op by data or control edges, inside ``members`` when given -- a train op, or the
   ``tf.group`` of several. Two updates with other ends belong to train ops that run in
-  different steps (a GAN's two optimizers). Memoised over the ops asked for."""
+  different steps (a GAN's two optimizers). Memoised over the ops asked for. An edge back to
+  an op still being walked (a ``tf.while_loop``'s NextIteration -> Merge, or any cycle) adds
+  nothing: the walk ends on every graph."""
 
   def __init__(self, members=None):
     self._members = members
@@ -65,20 +67,21 @@ class TrainEnds:
     return [c for c in outs if self._members is None or c in self._members]
 
   def __call__(self, op):
-    stack = [op]
+    stack, walking = [op], set()          # walking: the ops of the current path
     while stack:
       top = stack[-1]
       if top in self._ends:
         stack.pop()
         continue
-      nexts = self._next(top)
-      todo = [n for n in nexts if n not in self._ends]
-      if todo:
-        stack.extend(todo)
+      if top not in walking:                # first visit: walk what follows it
+        walking.add(top)
+        stack.extend(n for n in self._next(top) if n not in self._ends and n not in walking)
         continue
-      stack.pop()
+      stack.pop()                           # every op after it is done (or on the path)
+      walking.discard(top)
+      nexts = self._next(top)
       self._ends[top] = frozenset({top}) if not nexts else frozenset().union(
-          *(self._ends[n] for n in nexts))
+          *(self._ends[n] for n in nexts if n in self._ends))
     return self._ends[op]
 
 

@@ -180,7 +180,8 @@ def _uses(var, writers, through_aliases=False):
         continue
       out.extend((c, i) for c in consumer.outputs[0].consumers()
                  for i, t in enumerate(c.inputs) if t is consumer.outputs[0])
-    elif not mutates(consumer):
+    elif not mutates(consumer) and (through_aliases or var.outputs[0].dtype != tf.resource):
+      # (a resource read that takes the handle, ResourceGather: ordered, never rewired)
       out.extend((consumer, i) for i, t in enumerate(consumer.inputs) if t is var.outputs[0])
   return out
 
