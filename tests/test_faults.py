@@ -190,7 +190,7 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
 
 def test_the_launcher_leaves_no_process_behind(tmp_path):
   script = os.path.join(ROOT, "tests", "workers", "lingering.sh")
-  for run in range(10):
+  for run in range(5):
     pid_file = tmp_path / ("pids_%d" % run)
     pid_file.write_text("")
     out, err = _launch(["--num_workers", "2", "--log_dir", str(tmp_path / "logs"), script,

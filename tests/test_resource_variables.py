@@ -5,10 +5,13 @@
 ``tf.enable_resource_variables()`` or passes ``use_resource=True`` makes resource variables,
 whose reads are ``ReadVariableOp``s (TF marks them stateful) and whose op's output is a scalar
 handle, not the value. Both kinds, under every layout: a ResNet/slim-style script (kernel
-regularizers, weight decay, momentum on a schedule, an EMA of the weights after the step),
-GPT-2 (tf.gradients + clipping, tied embeddings read by ``ResourceGather``), and Adam on
-stages of different device counts (copies read the first stage's beta powers).
+regularizers, weight decay, momentum on a schedule, an EMA of the weights after the step).
+Resource variables (their ref runs are in test_same_model.py and test_pipeline.py): GPT-2
+(tf.gradients + clipping, tied embeddings read by ``ResourceGather``), and Adam on stages of
+different device counts (copies read the first stage's beta powers).
 """
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
@@ -25,13 +28,26 @@ STEPS = 4
 @pytest.fixture(params=["ref", "resource"])
 def variables(request):
   """The kind of variable the script makes (the process's default, restored after)."""
+  with _variables(request.param):
+    yield request.param
+
+
+@pytest.fixture
+def resource():
+  """Resource variables only (the ref runs of these models are in test_same_model.py and
+  test_pipeline.py)."""
+  with _variables("resource"):
+    yield "resource"
+
+
+@contextlib.contextmanager
+def _variables(kind):
   enabled = tf.resource_variables_enabled()
-  if request.param == "resource":
-    tf.enable_resource_variables()
-  else:
-    tf.disable_resource_variables()
-  yield request.param
-  (tf.enable_resource_variables if enabled else tf.disable_resource_variables)()
+  (tf.enable_resource_variables if kind == "resource" else tf.disable_resource_variables)()
+  try:
+    yield
+  finally:
+    (tf.enable_resource_variables if enabled else tf.disable_resource_variables)()
 
 
 def _kinds(result):
@@ -70,18 +86,18 @@ def test_resnet_style_script_with_regularizers_weight_decay_and_ema(variables, m
         "with duplicate rows), so clip_by_global_norm's norm over the values differs from the "
         "local one; GPT-2 ends ~7e-5 off (ref and resource alike; with the wte gradient made "
         "dense, or without clipping, it matches to 2e-7)")))])
-def test_gpt2_style_lm_with_tied_embeddings(variables, mode):
+def test_gpt2_style_lm_with_tied_embeddings(resource, mode):
   m = MODES[mode]
   rows = m.pieces * 2
   data = gpt2_lm.make_data(rows * 3)
   build = dict(grads="tf.gradients")
   local = run(gpt2_lm, rows, data, steps_of(rows, 3), race_free=True, build=build)
   dist = run(gpt2_lm, 2, data, steps_of(rows, 3), mode=m, initial=local.initial, build=build)
-  assert _kinds(dist) == _expected_kind(variables)
+  assert _kinds(dist) == _expected_kind(resource)
   assert_same_training(local, dist)
 
 
-def test_adam_on_stages_of_different_device_counts(variables):
+def test_adam_on_stages_of_different_device_counts(resource):
   """1:2 with 3 micro-batches: copy 1 runs no stage 0 and reads copy 0's beta powers. A
   resource variable's read (ReadVariableOp) was taken for an update of the beta powers and
   made to wait for copy 1's updates, which read it: a cycle, on which the rewrite looped
@@ -89,7 +105,7 @@ def test_adam_on_stages_of_different_device_counts(variables):
   _, dist = assert_parity(models.mlp_two_stages, cfg(3, 3), copies=3,
                           strategies=stages_on((1, 2)), optimizer="adam")
   kinds = {type(v).__name__ for v in dist.graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)}
-  assert kinds == _expected_kind(variables)
+  assert kinds == _expected_kind(resource)
 
 
 def test_a_walk_downstream_ends_on_a_graph_with_a_loop():
