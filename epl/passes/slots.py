@@ -67,19 +67,18 @@ class TrainEnds:
     return [c for c in outs if self._members is None or c in self._members]
 
   def __call__(self, op):
-    stack, walking = [op], set()          # walking: the ops of the current path
+    stack, walking = [op], {}             # the ops of the current path: what follows each
     while stack:
       top = stack[-1]
       if top in self._ends:
         stack.pop()
         continue
       if top not in walking:                # first visit: walk what follows it
-        walking.add(top)
-        stack.extend(n for n in self._next(top) if n not in self._ends and n not in walking)
+        walking[top] = nexts = self._next(top)
+        stack.extend(n for n in nexts if n not in self._ends and n not in walking)
         continue
       stack.pop()                           # every op after it is done (or on the path)
-      walking.discard(top)
-      nexts = self._next(top)
+      nexts = walking.pop(top)
       self._ends[top] = frozenset({top}) if not nexts else frozenset().union(
           *(self._ends[n] for n in nexts if n in self._ends))
     return self._ends[op]

@@ -9,6 +9,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.errors import NotImplementedYetError
+from epl.op_tables import variable_dtype, variable_shape
 from epl.passes.slots import ancestors
 
 
@@ -61,7 +62,7 @@ def bucket(ctx, key, names):
   get = ctx.graph.get_operation_by_name
   group, me = ctx.worker.client_group(key[0])
   root = list(ctx.plan.clients).index(key[2])
-  shapes = [tf.TensorShape(get(v).get_attr("shape")) for v in names]
+  shapes = [variable_shape(get(v)) for v in names]
   if not all(s.is_fully_defined() for s in shapes):
     raise NotImplementedYetError(
         "zero.level %s across workers needs variables of static shape; %s has %s" % ((
@@ -152,7 +153,7 @@ def partition_across(ctx, owners, updates, partitioned, colocated, local):
     device = ctx.clones().op(local[k], var).device if here else \
         job[k].devices[tg][plan.part_of(name)]
     _place_once(ctx, name, device, partitioned, colocated, updates)
-    dtype = tf.as_dtype(var.get_attr("dtype")).base_dtype
+    dtype = variable_dtype(var)
     buckets.setdefault((tg, dtype.name, job[k].client), []).append(name)
     if here:
       _rewire_reads(ctx, var, lambda read: read.outputs[0])
