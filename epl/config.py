@@ -169,6 +169,10 @@ KEYS = {k.name: k for k in [
             "split as a shell would (default: epl-launch's own interpreter)"),
     _k("launch.port_range", "str", "",
        help="epl-launch --port_range LOW-HIGH: the ports the workers' servers may use"),
+    _k("testing.race_delay_ms", "int", 0, minimum=0,
+       help="tests only, the race amplifier: every read of a variable the training step "
+            "writes starts this many ms after its inputs are ready, so a write the graph does "
+            "not order after it runs first in almost every run (0: off)", unannotated=MOOT),
     _k("log.progress_secs", "int", 30, minimum=0,
        help="worker 0 logs steps/s and samples/s of the parallel step this often (0: off)",
        unannotated=MOOT),

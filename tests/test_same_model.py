@@ -142,10 +142,10 @@ def test_a_weight_read_through_reshape_is_updated_after_every_read_of_it():
         load_values(sess, variables, lambda v: local[2][v.op.name])
         sess.run(train_op, {placeholders["x"]: feeds[0]["x"]})
         out = read_values(sess, variables)
-      step_reads = epl.Graph.get().results["step_reads"]
+      ordering = epl.Graph.get().results["writes_after_reads"]
     for name, value in local[1].items():
       close("variable %s" % name, out[name], value)
-    assert step_reads.ordered > 0
+    assert ordering.edges > 0
 
 
 def test_the_late_reader_is_what_the_update_waits_for():

@@ -102,3 +102,22 @@ def _wrap_new_operations(graph):
     return
   for c_op in graph.new_operations():
     graph._create_op_from_tf_operation(c_op, compute_device=False)
+
+
+def delay_op(graph, microseconds, after, device):
+  """An op that ends ``microseconds`` after the ops ``after`` ran, without holding one of
+  TF's inter-op threads meanwhile (a one-shot iterator over TF's test-only ``SleepDataset``:
+  its ``IteratorGetNext`` waits on the iterator's own thread). Used by the race amplifier
+  (``testing.race_delay_ms``) only."""
+  import tensorflow.compat.v1 as tf   # pylint: disable=import-outside-toplevel
+  from tensorflow.python.data.experimental.ops import testing as _data_testing  # pylint: disable=import-outside-toplevel
+  with graph.as_default(), tf.name_scope(None), tf.device(device), \
+      tf.control_dependencies(None), tf.name_scope("epl_race_delay"):
+    data = tf.data.Dataset.from_tensors(0).repeat().apply(_data_testing.sleep(microseconds))
+    options = tf.data.Options()       # no prefetch thread or autotuner per delay
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    data = data.with_options(options)
+    iterator = tf.data.make_one_shot_iterator(data)
+    with tf.control_dependencies(after):
+      return iterator.get_next().op

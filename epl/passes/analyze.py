@@ -31,6 +31,7 @@ from epl.errors import PlanError
 from epl.op_tables import (ASSIGN_OPS, DATA_SOURCE_OPS, PLACEHOLDER_OPS, READ_OPS,
                                   SHARED_SINK_OPS, VARIABLE_OPS, is_host_op, mutates,
                                   pinned_to_host)
+from epl.passes.slots import TrainEnds, written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class StepAnalysis:
   # cloned ops of TaskGraphs that run in only some copies of a replica (split: once;
   # replicated on fewer devices than the widest: every plan.stride-th copy)
   split_ops: FrozenSet[tf.Operation] = frozenset()
+  # the ends of each train op (what nothing follows downstream of the user's updates): the
+  # step ``writes_after_reads`` orders is what they depend on once every pass has run
+  train_ends: Tuple[FrozenSet[tf.Operation], ...] = ()
                                                     # per replica (its first copy)
 
   def __str__(self):
@@ -68,9 +72,16 @@ def analyze(ctx):
       tuple(op for op in cloned if op.type in DATA_SOURCE_OPS),
       tuple(op for op in cloned if _is_batch_placeholder(op)),
       cloned_set, frozenset(op for op in cloned if pinned_to_host(op)),
-      frozenset(op for op in cloned if ctx.plan.stride(ctx.owner[op]) > 1))
+      frozenset(op for op in cloned if ctx.plan.stride(ctx.owner[op]) > 1),
+      _train_ends(cloned, ctx.phase))
   _check_gradients(ctx.graph, result, ctx.plan)
   return result
+
+
+def _train_ends(cloned, phase):
+  ends_of = TrainEnds()
+  return tuple(dict.fromkeys(ends_of(op) for op in cloned
+                             if phase.get(op) == "apply" and written(op) is not None))
 
 
 def _is_batch_placeholder(op):

@@ -20,8 +20,8 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.passes.clone import clone_ops, rewire, wait_for_clones
-from epl.passes.slots import slots, written
-from epl.op_tables import READ_OPS, VARIABLE_OPS, is_host_op
+from epl.passes.slots import slots
+from epl.op_tables import is_host_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,36 +106,11 @@ def replicate(ctx):
         input_map[split_op.outputs[0]] = replica_split.outputs[j]
     copies.append(clone_ops(graph, ops, "EPL_REPLICA_%d" % c, device_function(ctx, c),
                             input_map, ctx.nodes))
-    if j > 0 and analysis.split_ops:
-      _writers_wait_for_readers(analysis, copies[-1], skip)
   wait_for_clones(analysis.singletons, copies[1:], members)   # run once, after every copy
   mirrored = {v.name: [v] + [copies[c][v.name] for c in range(1, n) if v.name in copies[c]]
               for v in analysis.mirrored}
   return Replication(copies, _build_sync(ctx, _synced(plan, mirrored)), mirrored, weights,
                      tuple(source_splits))
-
-
-def _writers_wait_for_readers(analysis, clone, skipped):
-  """A copy that does not run a narrower TaskGraph can still read its state: the optimizer's
-  bookkeeping that TF colocates with the first variable (Adam's beta powers) is that
-  TaskGraph's when the first variable is, and every copy's update reads it from copy 0.
-  Copy 0 updates it in place after its own updates; it must also wait for these reads (a
-  ref variable's read aliases its buffer: a read after the update saw the next step's
-  value -- found as a nondeterministic 1:2 pipeline with Adam)."""
-  writers = {}
-  for op in analysis.cloned:
-    var = written(op)
-    if var is not None:
-      writers.setdefault(var, []).append(op)
-  for op in clone.values():
-    for t in op.inputs:
-      src = t.op
-      var = src if src.type in VARIABLE_OPS else (
-          src.inputs[0].op if src.type in READ_OPS and src.inputs and
-          src.inputs[0].op.type in VARIABLE_OPS else None)
-      if var is not None and (src in skipped or var in skipped):
-        for writer in writers.get(var, ()):
-          compat.add_control_inputs(writer, [op])
 
 
 def _synced(plan, mirrored):

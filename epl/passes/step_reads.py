@@ -1,15 +1,6 @@
-"""step_reads: what value each read of a variable sees in the step, whatever order TF picks.
-
-1. Updates wait for every read of their variable in the step. An update of a model copy's
-   variable (the optimizer's apply ops) waits for every op of that copy and its micro-batches
-   that reads the variable -- forward ops, and backward ops that need the weight for another
-   gradient (a layer's input gradient reads its weight, and only the earlier layers' gradients
-   need it, not this weight's own update). A ref variable's read (an Identity) aliases its
-   buffer: a reader that ran after the update would see the next step's weights. With one
-   copy TF runs the backward ops first in practice; with micro-batches a later micro-batch's
-   backward could run after the update (found as a 2-stage BERT pipeline that differed from
-   the local run in 1 process of 5).
-2. Shared variables (global_step) -- below.
+"""step_reads: reads of a shared variable (``global_step``) see one value in every copy and
+micro-batch, whatever order TF picks. (That every write of a variable runs after the step's
+reads of it is the one ordering invariant, enforced after every pass: passes/ordering.py.)
 
 Expects: ``analyze`` (the singletons: writers of shared variables, ``global_step += 1``),
 ``replicate`` and ``micro_batch`` (every clone made).
@@ -38,14 +29,10 @@ import tensorflow.compat.v1 as tf
 from tensorflow.python.ops import gen_array_ops
 
 from epl import _tf_compat as compat
-from epl.op_tables import READ_OPS, buffer_readers, mutates
+from epl.op_tables import READ_OPS, mutates
 from epl.passes.slots import TrainEnds, written
 
 _CHECKS = frozenset({"IsVariableInitialized", "VarIsInitializedOp"})
-# a read inside a tf.while_loop / tf.cond enters it through these; an update outside cannot
-# wait for an op of another frame (TF: "has inputs from different frames")
-_CONTROL_FLOW = frozenset({"Enter", "RefEnter", "Switch", "RefSwitch", "Merge", "RefMerge",
-                           "Exit", "RefExit", "NextIteration", "RefNextIteration", "LoopCond"})
 _SET = frozenset({"Assign", "AssignVariableOp"})
 _ADD = {"AssignAdd": 1.0, "AssignAddVariableOp": 1.0, "AssignSub": -1.0,
         "AssignSubVariableOp": -1.0}
@@ -55,11 +42,10 @@ _ADD = {"AssignAdd": 1.0, "AssignAddVariableOp": 1.0, "AssignSub": -1.0,
 class StepReads:
   written: Mapping[str, tf.Tensor]     # shared variable op name -> the value its write writes
   rewired: int                         # reads now taking it
-  ordered: int                         # reads an update of their variable now waits for
 
   def __str__(self):
-    return ("StepReads(%d update wait(s) for reads; %d shared variable(s), %d read(s) take "
-            "the step's written value)" % (self.ordered, len(self.written), self.rewired))
+    return "StepReads(%d shared variable(s), %d read(s) take the step's written value)" % (
+        len(self.written), self.rewired)
 
 
 def step_reads(ctx):
@@ -76,7 +62,6 @@ def step_reads(ctx):
   # every update of one train op maps to the same set: union each distinct set once (a union
   # over every update's entry was 4 s at 24 layers x 8 copies)
   step = set().union(*{id(s): s for s in steps.values()}.values())
-  ordered = _updates_after_reads(updates, steps)
   writers = {}
   for op in analysis.singletons:
     var = written(op)
@@ -97,7 +82,7 @@ def step_reads(ctx):
       compat.update_input(op, i, value)
       rewired += 1
     values[var.name] = value
-  return StepReads(values, rewired, ordered)
+  return StepReads(values, rewired)
 
 
 def _steps(updates, clones, analysis):
@@ -123,31 +108,6 @@ def _steps(updates, clones, analysis):
   return out
 
 
-def _updates_after_reads(updates, steps):
-  """Part 1 of the module docstring: each copy's updates (``updates[c]``) wait for the ops of
-  their train op's step (``steps``) that read their variable. Returns the number of edges
-  added."""
-  count = 0
-  for per_copy in updates:
-    after = _walk(per_copy, upstream=False)
-    writers = {}
-    for op in per_copy:
-      var = written(op)
-      if var is not None:
-        writers.setdefault(var, []).append(op)
-    for var, ops in sorted(writers.items(), key=lambda kv: kv[0].name):
-      uses = {op for op, _ in _uses(var, set(ops), through_aliases=True)
-              if op not in after and not mutates(op) and op.type not in _CONTROL_FLOW and
-              not compat.in_control_flow(op)}
-      for w in ops:
-        readers = {op for op in uses if op in steps[w]}
-        missing = sorted((r for r in readers if r not in w.control_inputs),
-                         key=lambda o: o.name)
-        compat.add_control_inputs(w, missing)
-        count += len(missing)
-  return count
-
-
 def _incremented(graph, var, write):
   """The value ``write`` (an AssignAdd / AssignSub) leaves in ``var``: a copy of the variable
   taken before it, plus (minus) its increment."""
@@ -164,24 +124,18 @@ def _incremented(graph, var, write):
   return value
 
 
-def _uses(var, writers, through_aliases=False):
+def _uses(var, writers):
   """(op, input index) of every op that takes the value of ``var``: through a read op
-  (Identity of a ref variable, ReadVariableOp of a resource one), or a ref input directly.
-  ``through_aliases``: also every op that reads the read's buffer through ops that hand it on
-  (``op_tables.ALIASING_OPS``: ``tf.reshape(w, ...)``, ``tf.stop_gradient(w)``), where a
-  rewire must stop at the read's direct consumers."""
+  (Identity of a ref variable, ReadVariableOp of a resource one), or a ref input directly
+  (a resource read that takes the handle, ResourceGather, is ordered, never rewired)."""
   out = []
   for consumer in var.outputs[0].consumers():
     if consumer in writers or consumer.type in _CHECKS:
       continue
     if consumer.type in READ_OPS:
-      if through_aliases:
-        out.extend(buffer_readers(consumer.outputs[0]))
-        continue
       out.extend((c, i) for c in consumer.outputs[0].consumers()
                  for i, t in enumerate(c.inputs) if t is consumer.outputs[0])
-    elif not mutates(consumer) and (through_aliases or var.outputs[0].dtype != tf.resource):
-      # (a resource read that takes the handle, ResourceGather: ordered, never rewired)
+    elif not mutates(consumer) and var.outputs[0].dtype != tf.resource:
       out.extend((consumer, i) for i, t in enumerate(consumer.inputs) if t is var.outputs[0])
   return out
 

@@ -78,7 +78,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                 pipeline_strategy=config.pipeline.strategy,
                 hosts=tuple(cluster.host(w) for w in range(cluster.worker_num)),
                 communication=communication(config), has_gpu=cluster.has_gpu,
-                memory=_memory(graph, config))
+                memory=_memory(graph, config), race_delay_ms=config.testing.race_delay_ms)
   if not recorder.specs:
     keys = _unannotated_keys(config, cluster)
     if not keys:
