@@ -108,6 +108,7 @@ ALONE = {
     "launch.python": ("python3", {}, "tests/test_launch.py::test_launch_python_is_the_command_a_py_script_runs_with"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
+    "testing.race_delay_ms": (20, {}, None),
     "graph.grappler": ("off", {}, lambda pg, g, l: _merged(pg).graph_options.rewrite_options
                        .disable_meta_optimizer),
     "log.stall_secs": (5, {}, "tests/test_launch_edges.py::test_a_frozen_worker_is_reported_with_what_its_process_does"),

@@ -98,7 +98,7 @@ def test_rewrite_runs_the_pass_list_in_its_order(monkeypatch):
   pg = driver.run_passes(g, plan, 0)
   assert ran == [p.__name__ for p in original]
   assert list(pg.results) == ran
-  assert ran[0] == "analyze" and ran[-2:] == ["writes_after_reads", "race_delay"]
+  assert ran[0] == "analyze" and ran[-2:] == ["race_delay", "writes_after_reads"]
 
 
 # ---- layers ------------------------------------------------------------------------------

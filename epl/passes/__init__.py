@@ -20,11 +20,11 @@ pass is one module plus one line here.
   zero           each copy keeps and updates the optimizer state of its share (zero.level v0)
   offload        weights, slots and the update on the host CPU (offload.level v0)
   apply_groups   the update in sequential groups balanced by size (optimizer.num_apply_group)
+  race_delay     tests only (testing.race_delay_ms): every read of a variable that no write of
+                 it waits for yet starts late -- a write left unordered runs first
   writes_after_reads
                  the step's one ordering invariant: every write of a variable after every
                  read of it in the step (across copies, stages, micro-batches, aliases)
-  race_delay     tests only (testing.race_delay_ms): every such read starts late, so that an
-                 unordered write runs before it in almost every run
 """
 from epl.passes.analyze import analyze
 from epl.passes.apply_groups import apply_groups
@@ -42,5 +42,5 @@ from epl.passes.step_reads import step_reads
 from epl.passes.zero import zero
 
 PASSES = (analyze, replicate, micro_batch, bridge, schedule, recompute, step_reads, owners,
-          gradient_sync, zero, offload, apply_groups, writes_after_reads,
-          race_delay)
+          gradient_sync, zero, offload, apply_groups, race_delay,
+          writes_after_reads)

@@ -32,12 +32,12 @@ makes a cycle: candidate edges against a topological order of the step (writes a
 possible) are either forward, or checked for a path from the write to the read first; a cycle
 left by two such edges together is an internal error naming them.
 
-``verify(graph, train_ends)`` lists the (write, read) pairs of a graph that break the
-invariant; tests run it on every rewritten graph they build (``epl.testing``), and the race
-amplifier (``epl.testing.amplify``) turns any pair it would have missed into a wrong result in
-almost every run.
+``verify(graph, train_ends)`` lists the (read, write) pairs of a graph that break the
+invariant, and the race amplifier (``testing.race_delay_ms``, passes/race_delay.py, the pass
+before this one) makes every read this pass orders start late, so that an edge missing or
+lost turns into a wrong result in almost every run.
 
-Expects: every other pass run. Adds: control edges read -> write. Returns ``Ordering``.
+Expects: every other pass run (the race amplifier's delays included). Adds: control edges read -> write. Returns ``Ordering``.
 """
 import collections
 import dataclasses
