@@ -148,6 +148,25 @@ def test_runs_refused_where_they_do_not_apply():
         sess.run(train, {x: np.zeros([4, 8]), y: np.zeros([4])})
 
 
+def test_runs_refused_for_a_sparse_gradient_clipped_by_the_global_norm():
+  """A norm over the local IndexedSlices counts a row once per lookup; the runs' summed rows
+  give another norm: auto keeps clones (tests/test_resource_variables.py, GPT-2), runs is an
+  error naming the variable."""
+  g = tf.Graph()
+  with g.as_default():
+    epl.init(epl.Config(_config(1, 2, "runs")))
+    epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.int64, [None, 3])
+    table = tf.get_variable("table", [40, 8])
+    loss = tf.reduce_sum(tf.nn.embedding_lookup(table, x))
+    grads, _ = tf.clip_by_global_norm(tf.gradients(loss, [table]), 1.0)
+    train = tf.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, [table]))
+    with pytest.raises(NotImplementedYetError, match="graph.micro_batches 'runs'.*'table' has "
+                       "a sparse gradient .*clip_by_global_norm.*use 'auto'"):
+      with tf.Session() as sess:
+        sess.run(train, {x: np.zeros([4, 3])})
+
+
 def _steps(config, initial, seed, model, batches):
   """Trains ``model()`` -> (placeholders, loss, train) one step per feed of ``batches`` (tuples
   for the placeholders), from ``initial`` values if given; returns start values, end values

@@ -158,7 +158,7 @@ def _copy_from_owner(ctx, name, j, updates):
     with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
         tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
       copied = _assign(var_c, read_var(owner_var))
-    replace_update(name, [clones.op(c, op) for op in updates], copied)
+    replace_update(name, [clones.op(c, op) for op in updates], copied, live=(var_c,))
 
 
 def _broadcast_bucket(ctx, key, names, owners, local, updates):
@@ -203,5 +203,5 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
       with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
           tf.device(var_c.device), tf.name_scope("epl_zero"):
         copied = _assign(var_c, tf.reshape(piece, shape))
-      replace_update(v, [clones.op(c, op) for op in updates[v]], copied)
+      replace_update(v, [clones.op(c, op) for op in updates[v]], copied, live=(var_c,))
 

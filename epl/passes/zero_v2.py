@@ -9,11 +9,14 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.errors import NotImplementedYetError
-from epl.op_tables import variable_dtype, variable_shape
+from epl.op_tables import RESOURCE_READ_OPS, VARIABLE_OPS, variable_dtype, variable_shape
 from epl.passes.slots import ancestors
 
 
 CHECKPOINT_OPS = ("Save", "Restore", "MergeV2Checkpoints")
+# handle reads ``_rewire_reads`` hands a value instead (ReadVariableOp), or that run outside
+# the step (VarIsInitializedOp)
+_HANDLE_READS_KEPT = frozenset({"ReadVariableOp", "VarIsInitializedOp"})
 
 
 def read_var(var_op):
@@ -23,11 +26,14 @@ def read_var(var_op):
   return tf.identity(var_op.outputs[0])
 
 
-def replace_update(name, mine, instead):
+def replace_update(name, mine, instead, live=()):
   """What waited for a copy's update ops ``mine`` of ``name`` waits for ``instead``. An
   update that hands a value on (a sparse optimizer's scatter read by its next step: Adam's
-  ``m_t`` of an embedding) is replaced with the ops reading it, up to where the chain ends."""
-  chain = data_chain([op for op in mine if op is not None])
+  ``m_t`` of an embedding) is replaced with the ops reading it, up to where the chain ends;
+  so is a read that waits for the update of a variable it writes (a resource variable's
+  sparse Adam reads ``m`` and ``v`` back after its scatters: those slots are never
+  initialised in a copy that does not own them), except reads of ``live`` variables."""
+  chain = _dead_chain([op for op in mine if op is not None], set(live))
   for op in chain:
     for t in op.outputs:
       outside = [c for c in t.consumers() if c not in chain]
@@ -39,6 +45,20 @@ def replace_update(name, mine, instead):
     for waiter in list(compat.control_outputs(op)):
       if waiter not in chain:
         compat.replace_control_inputs(waiter, {op: instead})
+
+
+def _dead_chain(mine, live):
+  """``data_chain(mine)`` and the reads that wait for a write of it to a variable not in
+  ``live`` (with their own data chains)."""
+  written = {t.op for op in mine for t in op.inputs if t.op.type in VARIABLE_OPS} - live
+  chain = data_chain(mine)
+  while True:
+    reads = {w for op in chain for w in compat.control_outputs(op)
+             if w not in chain and w.type in RESOURCE_READ_OPS and w.inputs and
+             w.inputs[0].op in written}
+    if not reads:
+      return chain
+    chain |= data_chain(sorted(reads, key=compat.op_id))
 
 
 def data_chain(ops, limit=64):
@@ -129,9 +149,30 @@ def partition_weights(ctx, owners, updates, partitioned, colocated):
   """v2: each trained variable, its slots and its update once, on the owner's device."""
   get = ctx.graph.get_operation_by_name
   for name, j in owners.items():
-    _place_once(ctx, name, ctx.clones().op(j, get(name)).device, partitioned, colocated,
-                updates)
+    device = ctx.clones().op(j, get(name)).device
+    _place_once(ctx, name, device, partitioned, colocated, updates)
     _rewire_reads(ctx, get(name), lambda read: read.outputs[0])
+    _rewire_handle_reads(ctx, get(name), device)
+
+
+def _rewire_handle_reads(ctx, var, device):
+  """v2 inside a worker: the ops of other copies and micro-batches that read a resource
+  variable through its handle (``ResourceGather``: an embedding lookup) read the user's
+  variable instead, on its device (the clones are never initialised): only the rows they
+  pick travel."""
+  if var.type != "VarHandleOp":
+    return
+  clones = ctx.clones()
+  step = ctx.result("analyze").cloned_set
+  for op in [c for c in var.outputs[0].consumers() if c in step and
+             c.type in RESOURCE_READ_OPS and c.type not in _HANDLE_READS_KEPT]:
+    for c in range(ctx.worker.num_copies):
+      for m in range(ctx.plan.num_micro_batch):
+        clone = clones.op(c, op, m)
+        if clone is None or clone is op:
+          continue
+        compat.update_input(clone, 0, var.outputs[0])
+        compat.set_device(clone, device)
 
 
 def partition_across(ctx, owners, updates, partitioned, colocated, local):

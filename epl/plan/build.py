@@ -97,12 +97,12 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   parts, crossings = _split_facts(ops, rank, owner, phase, recorder, specs, placements)
   reductions = _reductions(recorder, specs, {op.name for op in phase})
   copies = _layout(placements, config.cluster.colocate_split_and_replicate, cluster)
-  runs = _accumulate_runs(config, placements, micro)
+  gradients = _gradients(recorder)
+  runs = _accumulate_runs(config, placements, micro, gradients)
   if runs > 1:
     common.update(num_micro_batch=1, accumulate_runs=runs)
     micro = 1
   schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
-  gradients = _gradients(recorder)
   _refuse_sparse_zero(gradients, config, cluster)
   return ParallelPlan(
       taskgraphs=tgs, copies=copies, shards=_shards(placements),
@@ -150,9 +150,15 @@ def _split_facts(ops, rank, owner, phase, recorder, specs, placements):
   return parts, crossings
 
 
-def _accumulate_runs(config, placements, micro):
+def _accumulate_runs(config, placements, micro, gradients):
   """How many session runs one step's micro-batches take (graph.micro_batches): M for
-  gradient accumulation as runs, else 1 (micro-batches cloned in the graph)."""
+  gradient accumulation as runs, else 1 (micro-batches cloned in the graph).
+
+  A sparse gradient that the step transforms before ``apply_gradients`` (clipping by a
+  global norm) keeps its micro-batches as clones: the runs sum its rows into one dense sum,
+  and a norm over the values of the local ``IndexedSlices``, which keeps a row once per
+  lookup, is another number (GPT-2's tied embedding with ``clip_by_global_norm`` trained
+  ~7e-5 off the local model as runs; as clones it matches)."""
   setting = config.graph.micro_batches
   if micro == 1 or setting == "clones":
     return 1
@@ -168,6 +174,13 @@ def _accumulate_runs(config, placements, micro):
     # runs keep a gradient-sized sum per copy between runs, on the device: what ZeRO and
     # offload save would come back (clones' sums live only inside the step)
     why = "zero.level / offload.level"
+  else:
+    read = [g.variable for g in gradients if g.sparse and g.applied and
+            g.applied[0] != g.tensors[0]]
+    if read:
+      why = ("variable %r has a sparse gradient (IndexedSlices) that the step transforms "
+             "before apply_gradients (clip_by_global_norm): its norm over the lookups' rows "
+             "is not the norm of the runs' summed rows" % read[0])
   if why is None:
     return micro
   if setting == "runs":
