@@ -8,6 +8,8 @@ classifier. Every layout runs 2 model replicas (data parallel), on one worker or
 ``dp_workers``, one per worker.
 """
 import contextlib
+import dataclasses
+import itertools
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -65,7 +67,61 @@ def scopes(features, local=False):
   return scope, len(stages)
 
 
-def build(features, local=False):
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """How the script around the model is written (the axes users vary, issue #48): the step
+  (``minimize``; ``compute_gradients`` + ``apply_gradients``; ``tf.gradients`` +
+  ``apply_gradients`` without a global step), ref or resource variables, SGD or Adam (its
+  default epsilon: no weight of this model has a zero true gradient), and whether the
+  session is opened before the model is built."""
+  step: str = "minimize"
+  resource: bool = False
+  optimizer: str = "adam"
+  session_first: bool = False
+
+  def code(self):
+    """A command-line form (``Variant.parse`` reads it back)."""
+    return "%s,%d,%s,%d" % (self.step, self.resource, self.optimizer, self.session_first)
+
+  @classmethod
+  def parse(cls, text):
+    step, resource, optimizer, first = text.split(",")
+    return cls(step, bool(int(resource)), optimizer, bool(int(first)))
+
+  def __str__(self):
+    return "%s/%s/%s%s" % (self.step, "resource" if self.resource else "ref", self.optimizer,
+                           "/session-first" if self.session_first else "")
+
+
+STEPS_WRITTEN = ("minimize", "compute_gradients", "tf.gradients")
+VARIANTS = tuple(Variant(*v) for v in itertools.product(
+    STEPS_WRITTEN, (False, True), ("sgd", "adam"), (False, True)))
+
+
+def variant_for(index):
+  """The variant cell ``index`` of the matrix takes in CI: consecutive cells walk the product
+  (every value of every axis in every 24 cells; bench/matrix.py runs them all)."""
+  return VARIANTS[index % len(VARIANTS)]
+
+
+def _train_op(loss, variant):
+  opt = tf.train.AdamOptimizer(0.01) if variant.optimizer == "adam" else \
+      tf.train.GradientDescentOptimizer(0.1)
+  tvars = tf.trainable_variables()
+  if variant.step == "tf.gradients":
+    return opt.apply_gradients(zip(tf.gradients(loss, tvars), tvars))
+  step = tf.train.get_or_create_global_step()
+  if variant.step == "compute_gradients":
+    return opt.apply_gradients(opt.compute_gradients(loss, tvars), global_step=step)
+  return opt.minimize(loss, global_step=step)
+
+
+def build(features, local=False, variant=Variant()):
+  with tf.variable_scope(tf.get_variable_scope(), use_resource=variant.resource):
+    return _build(features, local, variant)
+
+
+def _build(features, local, variant):
   scope, stages = scopes(features, local)
   x = tf.placeholder(tf.float32, [None, INPUTS], name="x")
   y = tf.placeholder(tf.int64, [None], name="y")
@@ -78,8 +134,7 @@ def build(features, local=False):
     h = tf.layers.dense(h, HIDDEN, tf.tanh, kernel_initializer=init(3), name="d2")
     logits = tf.layers.dense(h, CLASSES, kernel_initializer=init(4), name="head")
     loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
-  train = tf.train.AdamOptimizer(0.01).minimize(loss)
-  return dict(inputs=(x, y), loss=loss, train_op=train)
+  return dict(inputs=(x, y), loss=loss, train_op=_train_op(loss, variant))
 
 
 def data(rows, seed=0):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.testing.reference import race_free_step
 from epl.testing.values import load_values
 
 FEATURES = 12
@@ -171,25 +172,33 @@ def load_whole(sess, variables, values):
 
 
 def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),
-          measure_memory=False, eval_rows=3):
-  """Trains ``steps`` steps of ``rows`` rows; ``config`` None: the local run."""
+          measure_memory=False, eval_rows=3, session_first=False, race_free=False):
+  """Trains ``steps`` steps of ``rows`` rows; ``config`` None: the local run.
+  ``session_first``: the session is opened before ``build()`` runs, as scripts that build
+  their model inside ``with tf.Session() as sess:`` do; ``race_free``: the local run takes
+  each step as its reads, then its updates (``epl.testing.race_free_step``)."""
   graph = tf.Graph()
   with graph.as_default():
     tf.set_random_seed(0)
     if config is not None:
       epl.init(config)
-    t = build()
-    variables = tf.global_variables()
-    run = Run([], {}, {})
-    with tf.Session() as sess:
+    with contextlib.ExitStack() as stack:
+      sess = stack.enter_context(tf.Session()) if session_first else None
+      t = build()
+      variables = tf.global_variables()
+      run = Run([], {}, {})
+      sess = sess or stack.enter_context(tf.Session())
       sess.run(tf.global_variables_initializer())
       if initial is not None:
         load_whole(sess, variables, initial)
       run.initial = whole_values(sess, variables)
       for s in range(steps):
         feed = {p: d[s * rows:(s + 1) * rows] for p, d in zip(t["inputs"], data)}
-        values = sess.run({k: t[k] for k in fetch} | {"_": t["train_op"]}, feed)
-        values.pop("_")
+        if race_free and config is None:
+          values = race_free_step(sess, t["train_op"], feed, {k: t[k] for k in fetch})
+        else:
+          values = sess.run({k: t[k] for k in fetch} | {"_": t["train_op"]}, feed)
+          values.pop("_")
         run.fetched.append(values)
       run.variables = whole_values(sess, variables)
       feed = {p: d[:eval_rows] for p, d in zip(t["inputs"], data)}

@@ -20,6 +20,7 @@ from tests.test_multiworker import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, STEPS = 8, 2
+AMPLIFY = 20                     # ms: the race amplifier's delay (testing.race_delay_ms)
 FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
 WORKS = "works"
 ONE_KEY = "one key"              # ZeRO v1 / v2: two values of zero.level
@@ -50,8 +51,9 @@ def _data():
   return mm.data(ROWS * STEPS + 3)
 
 
-def _local(features):
-  return sm.train(lambda: mm.build(features, local=True), _data(), STEPS, ROWS)
+def _local(features, variant=mm.Variant()):
+  return sm.train(lambda: mm.build(features, local=True, variant=variant), _data(), STEPS,
+                  ROWS, race_free=True, session_first=variant.session_first)
 
 
 def _close(got, want, features, what):
@@ -59,33 +61,51 @@ def _close(got, want, features, what):
   np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=what)
 
 
-@pytest.mark.parametrize("pair", [p for p in PAIRS if "dp_workers" not in p and
-                                  expected(p) != ONE_KEY], ids="+".join)
-def test_a_pair_on_one_worker_trains_the_local_model_or_is_refused(pair):
-  local = _local(pair)
-  train = lambda: sm.train(lambda: mm.build(pair), _data(), STEPS, ROWS,   # noqa: E731
-                           config=epl.Config(mm.config(pair)), initial=local.initial)
+def train_cell(pair, variant, local, amplify=AMPLIFY):
+  """The pair under epl, written as ``variant`` says, from ``local``'s weights; the race
+  amplifier on (``amplify`` ms)."""
+  config = dict(mm.config(pair), **{"testing.race_delay_ms": amplify})
+  return sm.train(lambda: mm.build(pair, variant=variant), _data(), STEPS, ROWS,
+                  config=epl.Config(config), initial=local.initial,
+                  session_first=variant.session_first)
+
+
+def check_cell(pair, variant, amplify=AMPLIFY):
+  """One cell, one variant: the local model (or the refusal the matrix expects)."""
+  local = _local(pair, variant)
   if pair in REFUSED:
     with pytest.raises(NotImplementedYetError, match=REFUSED[pair]):
-      train()
-    return
-  run = train()
+      train_cell(pair, variant, local, amplify)
+    return None
+  run = train_cell(pair, variant, local, amplify)
   for got, want in zip(run.fetched, local.fetched):
-    _close(got["loss"], want["loss"], pair, "loss")
+    _close(got["loss"], want["loss"], pair, "loss (%s)" % variant)
   for name, value in local.variables.items():
-    _close(run.variables[name], value, pair, name)
+    _close(run.variables[name], value, pair, "%s (%s)" % (name, variant))
   assert len(run.parallel.plan.copies) >= 2          # data parallel around every layout
+  return run
 
 
-def _across_workers(features, tmp_path):
-  local = _local(features)
+ONE_WORKER = [p for p in PAIRS if "dp_workers" not in p and expected(p) != ONE_KEY]
+
+
+@pytest.mark.parametrize("pair", ONE_WORKER, ids="+".join)
+def test_a_pair_on_one_worker_trains_the_local_model_or_is_refused(pair):
+  """Each pair written one of the ways users write it (``mm.variant_for``: consecutive cells
+  walk the step written 3 ways x ref / resource x SGD / Adam x session first or not;
+  bench/matrix.py runs every cell every way), under the race amplifier."""
+  check_cell(pair, mm.variant_for(ONE_WORKER.index(pair)))
+
+
+def _across_workers(features, tmp_path, variant=mm.Variant()):
+  local = _local(features, variant)
   data = _data()
   np.savez(tmp_path / "data.npz", x=data[0], y=data[1])
   np.savez(tmp_path / "initial.npz", **local.initial)
   worker = os.path.join(ROOT, "tests", "workers", "matrix_worker.py")
   out = launch(["--num_workers", "2", "--gpu_per_worker", str(mm.replica_devices(features)),
                 "--log_dir", str(tmp_path / "logs"), worker, str(tmp_path), ",".join(features),
-                str(STEPS), str(ROWS)], timeout=300)
+                str(STEPS), str(ROWS), variant.code(), str(AMPLIFY)], timeout=int(os.environ.get("CELL_TIMEOUT", "300")))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   clients = [dict(np.load(p)) for p in sorted(glob.glob(str(tmp_path / "client*.npz")))]
   assert len(clients) == 2
@@ -96,10 +116,13 @@ def _across_workers(features, tmp_path):
       _close(c[name], value, features, name)
 
 
-@pytest.mark.parametrize("pair", [p for p in PAIRS if "dp_workers" in p], ids="+".join)
+ACROSS = [p for p in PAIRS if "dp_workers" in p]
+
+
+@pytest.mark.parametrize("pair", ACROSS, ids="+".join)
 def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair, tmp_path):
   assert expected(pair) == WORKS
-  _across_workers(pair, tmp_path)
+  _across_workers(pair, tmp_path, mm.variant_for(len(ONE_WORKER) + ACROSS.index(pair)))
 
 
 def test_the_recipe_set_at_once_across_workers_trains_the_local_model(tmp_path):

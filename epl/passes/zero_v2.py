@@ -119,10 +119,18 @@ def _place_once(ctx, name, device, partitioned, colocated, updates):
 
 def _step_reads(ctx, var):
   """The step's reads of ``var`` (a ref variable's one snapshot serves every other use too,
-  an evaluation's)."""
+  an evaluation's). Not a read that nothing in the step takes: a resource variable's graph
+  element (``<var>/Read/ReadVariableOp``, what ``sess.run(var)`` fetches) -- made to wait
+  for the owner worker's broadcast, a fetch of the variable between steps ran a collective
+  the other workers never joined (a hang until the collective timeout)."""
   step = ctx.result("analyze").cloned_set
   return [op for op in var.outputs[0].consumers()
-          if op in step and op.type in ("Identity", "ReadVariableOp")]
+          if op in step and op.type in ("Identity", "ReadVariableOp") and
+          any(c in step for c in _users(op))]
+
+
+def _users(op):
+  return [c for t in op.outputs for c in t.consumers()] + list(compat.control_outputs(op))
 
 
 def _rewire_reads(ctx, var, value_of, skip_first=True):

@@ -2,7 +2,8 @@
 (tests/matrix_model.py): each worker holds one model replica and feeds its half of every
 step's rows.
 
-usage: matrix_worker.py OUT_DIR FEATURES STEPS ROWS   (FEATURES: comma-separated)
+usage: matrix_worker.py OUT_DIR FEATURES STEPS ROWS [VARIANT [RACE_DELAY_MS]]
+(FEATURES: comma-separated; VARIANT: ``matrix_model.Variant.code()``)
 """
 import json
 import os
@@ -29,8 +30,12 @@ def main():
   half = rows // 2
   data = tuple(np.concatenate([raw[k][s * rows + me * half:s * rows + (me + 1) * half]
                                for s in range(steps)]) for k in ("x", "y"))
-  run = sm.train(lambda: mm.build(features), data, steps, half,
-                 config=epl.Config(mm.config(features, workers=2)), initial=initial)
+  variant = mm.Variant.parse(sys.argv[5]) if len(sys.argv) > 5 else mm.Variant()
+  delay = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+  config = dict(mm.config(features, workers=2), **{"testing.race_delay_ms": delay})
+  run = sm.train(lambda: mm.build(features, variant=variant), data, steps, half,
+                 config=epl.Config(config), initial=initial,
+                 session_first=variant.session_first)
   np.savez(os.path.join(out, "client%d.npz" % me),
            __loss__=np.array([f["loss"] for f in run.fetched]), **run.variables)
 
