@@ -57,16 +57,6 @@ def _train(build, config=None, initial=None, feeds=(), scopes=None):
               epl.Graph.get() if config is not None else None)
 
 
-def _norm(x, scope, epsilon=1e-5):       # GPT-2's model.py
-  with tf.variable_scope(scope):
-    n_state = x.shape[-1].value
-    g = tf.get_variable("g", [n_state], initializer=tf.constant_initializer(1))
-    b = tf.get_variable("b", [n_state], initializer=tf.constant_initializer(0))
-    u = tf.reduce_mean(x, axis=-1, keepdims=True)
-    s = tf.reduce_mean(tf.square(x - u), axis=-1, keepdims=True)
-    return (x - u) * tf.rsqrt(s + epsilon) * g + b
-
-
 def _step(loss, optimizer, style):
   """The train op, written the way ``style`` names."""
   opt = tf.train.GradientDescentOptimizer(0.5) if optimizer == "sgd" else \
@@ -87,9 +77,9 @@ def _two_stages(style, optimizer="sgd", resource=False):
       y = tf.placeholder(tf.int64, [None], name="y")
       with scope(0):
         h = tf.layers.dense(x, 16, tf.nn.relu, name="d0")
-        h = tf.layers.dense(_norm(h, "ln0"), 16, tf.nn.relu, name="d1")
+        h = tf.layers.dense(gpt2_lm.norm(h, "ln0"), 16, tf.nn.relu, name="d1")
       with scope(1):
-        h = tf.layers.dense(_norm(h, "ln1"), 16, tf.nn.relu, name="d2")
+        h = tf.layers.dense(gpt2_lm.norm(h, "ln1"), 16, tf.nn.relu, name="d2")
         loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10, name="d3"))
       return _step(loss, optimizer, style), loss, {"x": x, "y": y}
   return build

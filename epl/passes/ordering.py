@@ -26,11 +26,13 @@ too), whichever pass built it. ``WRITE_KINDS`` names them for the report and the
   user        the script's own assigns in the step: batch norm's moving averages,
               ``ExponentialMovingAverage``, AMP's loss scale, hand-written optimizers
 
-An edge that the graph's order does not already imply is added as a control input of the
-write. A write that a read depends on (through other ops) keeps that order, and the pass never
-makes a cycle: candidate edges against a topological order of the step (writes as late as
-possible) are either forward, or checked for a path from the write to the read first; a cycle
-left by two such edges together is an internal error naming them.
+An edge is added as a control input of the write unless the read already feeds it directly
+or runs after a write of its variable by the step's own edges (then it means to read the
+new value). Such edges never close a cycle on their own; two together can only through a
+read that runs after some other write (a batch norm's moving average updated in the
+forward pass, the train op under ``control_dependencies`` of it; two writes that read each
+other's variable): what runs after the writes that got an edge is sorted topologically, and
+a cycle is an internal error naming the edges.
 
 ``verify(graph, train_ends)`` lists the (read, write) pairs of a graph that break the
 invariant, and the race amplifier (``testing.race_delay_ms``, passes/race_delay.py, the pass
@@ -46,6 +48,7 @@ from typing import Mapping
 from epl import _tf_compat as compat
 from epl.errors import EplError
 from epl.op_tables import READ_OPS, VARIABLE_OPS, buffer_readers, mutates
+from epl.passes.slots import ancestors
 
 WRITE_KINDS = ("apply", "zero", "sums", "shared", "user")
 # a read inside a tf.while_loop / tf.cond enters it through these; a write outside cannot
@@ -60,7 +63,6 @@ _CHECKS = frozenset({"IsVariableInitialized", "VarIsInitializedOp"})
 class Ordering:
   writes: Mapping[str, int]      # write kind -> writes of that kind in the steps
   edges: int                     # read -> write edges added
-  backward: int = 0              # of those, edges against the first topological order
 
   def __str__(self):
     kinds = ", ".join("%s %d" % (k, self.writes[k]) for k in WRITE_KINDS if self.writes.get(k))
@@ -94,15 +96,45 @@ def readers_of(var):
 
 def step_ops(ends):
   """Every op the ops ``ends`` depend on (data and control edges), ``ends`` included."""
-  seen, work = set(), list(ends)
-  while work:
-    op = work.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    work.extend(t.op for t in op.inputs)
-    work.extend(op.control_inputs)
-  return seen
+  return ancestors(ends)
+
+
+class Step:
+  """A training step: the ops its ends depend on, each with the ops it waits for (data and
+  control inputs; read once: TF builds the list on every access), and its writes by
+  variable -- found from the variables' consumers, not by asking every op."""
+
+  def __init__(self, ends):
+    self.inputs = {}
+    work = list(ends)
+    while work:
+      op = work.pop()
+      if op in self.inputs:
+        continue
+      ins = [t.op for t in op.inputs]
+      ins.extend(op.control_inputs)
+      self.inputs[op] = ins
+      work.extend(ins)
+    self.writes = {}
+    for var in (op for op in self.inputs if op.type in VARIABLE_OPS):
+      ws = [c for c in var.outputs[0].consumers() if c in self.inputs and var in writes_of(c)]
+      if ws:
+        self.writes[var] = ws
+
+  def __contains__(self, op):
+    return op in self.inputs
+
+  def after(self, ops):
+    """The ops of the step that run after ``ops`` by its edges (``ops`` included)."""
+    seen, work = set(), list(ops)
+    while work:
+      op = work.pop()
+      if op in seen or op not in self.inputs:
+        continue
+      seen.add(op)
+      work.extend(c for t in op.outputs for c in t.consumers())
+      work.extend(compat.control_outputs(op))
+    return seen
 
 
 def _kind(op, var, shared):
@@ -117,109 +149,69 @@ def _kind(op, var, shared):
                                         "ResourceSparseApply")) else "user"
 
 
-def _order(step, is_write):
-  """{op: index} a topological order of ``step`` (edges inside it) in which every write
-  comes as late as it can: a read that does not follow a write then comes before it."""
-  pending = {op: 0 for op in step}
-  users = {}
-  for op in step:
-    for x in [t.op for t in op.inputs] + list(op.control_inputs):
-      if x in step and x.type not in _BACK_EDGES:    # a while loop's edge back to its Merge
-        pending[op] += 1
-        users.setdefault(x, []).append(op)
-  ready = collections.deque(op for op, n in pending.items() if n == 0 and not is_write(op))
-  late = collections.deque(op for op, n in pending.items() if n == 0 and is_write(op))
-  index = {}
-  while ready or late:
-    op = ready.popleft() if ready else late.popleft()
-    index[op] = len(index)
-    for u in users.get(op, ()):
-      pending[u] -= 1
-      if pending[u] == 0:
-        (late if is_write(u) else ready).append(u)
-  return index
-
-
-def _reaches(src, dst, index, step):
-  """True if a path of data / control edges inside ``step`` leads from ``src`` to ``dst``
-  (only ops ordered before ``dst`` can be on it)."""
-  limit, seen, work = index[dst], set(), [src]
-  while work:
-    op = work.pop()
-    if op is dst:
-      return True
-    if op in seen:
-      continue
-    seen.add(op)
-    for u in [c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op):
-      if u in step and index.get(u, limit + 1) <= limit:
-        work.append(u)
-  return False
-
-
 def missing_edges(steps):
-  """[(read, write)] of each step in ``steps`` (sets of ops) whose write the graph does not
-  already order after the read, and the step's order {op: index} for each pair."""
+  """[(read, write)] of each step in ``steps`` (``Step``s) whose write the graph does not
+  already order after the read. A read after any write of its variable (by the step's own
+  edges) means to see the written value: it is never moved before another write of it."""
   out = []
   for step in steps:
-    writes = collections.defaultdict(list)
-    for op in step:
-      for var in writes_of(op):
-        writes[var].append(op)
-    if not writes:
-      continue
-    is_write = {op for ops in writes.values() for op in ops}.__contains__
-    index = _order(step, is_write)
-    for var in sorted(writes, key=lambda v: v.name):
-      ws = writes[var]
+    for var in sorted(step.writes, key=lambda v: v.name):
+      ws = step.writes[var]
       reads = [r for r in readers_of(var) if r in step and r not in ws and
                r.type not in _CONTROL_FLOW and not compat.in_control_flow(r)]
+      if not reads:
+        continue
+      after = step.after(ws)
       for w in ws:
         if compat.in_control_flow(w):
           continue
-        direct = {t.op for t in w.inputs} | set(w.control_inputs)
-        for r in reads:
-          if r in direct:
-            continue
-          if index[r] > index[w] and _reaches(w, r, index, step):
-            continue                                   # it means to read the new value
-          out.append((r, w, index))
+        direct = set(step.inputs[w])
+        out.extend((r, w) for r in reads if r not in direct and r not in after)
   return out
 
 
 def writes_after_reads(ctx):
   """Runs the pass; see the module docstring."""
   analysis = ctx.result("analyze")
-  steps = [step_ops(ends) for ends in analysis.train_ends]
+  steps = [Step(ends) for ends in analysis.train_ends]
   shared = ctx.plan.shared_variables
-  kinds = collections.Counter()
-  for op in set().union(*steps) if steps else ():
-    for var in writes_of(op):
-      kinds[_kind(op, var, shared)] += 1
-  pairs = missing_edges(steps)
+  kinds = collections.Counter(_kind(w, var, shared) for var, ws in dict(
+      kv for step in steps for kv in step.writes.items()).items() for w in ws)
   added = collections.defaultdict(list)
-  backward = 0
-  for r, w, index in pairs:
+  for r, w in missing_edges(steps):
     if r not in added[w]:
       added[w].append(r)
-      backward += index[r] > index[w]
   for w, readers in added.items():
     compat.add_control_inputs(w, sorted(readers, key=lambda o: o.name))
-  if backward:
-    _check_acyclic(steps, added)
-  return Ordering(dict(kinds), sum(len(r) for r in added.values()), backward)
+  _check_acyclic(steps, added)
+  return Ordering(dict(kinds), sum(len(r) for r in added.values()))
 
 
 def _check_acyclic(steps, added):
-  for step in steps:
-    index = _order(step, lambda op: False)
-    if len(index) < len(step):
-      stuck = sorted((op for op in step if op not in index), key=lambda o: o.name)
-      pairs = [(r.name, w.name) for w, rs in added.items() if w in stuck for r in rs
-               if r in stuck]
-      raise EplError(
-          "epl could not order the step's writes after their reads without a cycle: %s "
-          "(read, write). Please report this graph." % pairs[:4])
+  """Raises if the edges ``added`` ({write: reads}) closed a cycle. Every op of such a cycle
+  runs after one of the writes that got an edge, so only that region (small: the writes end
+  the step) is sorted."""
+  region = set().union(*(step.after(added) for step in steps)) if added else set()
+  preds = {op: [x for x in [t.op for t in op.inputs] + list(op.control_inputs)
+                if x in region and x.type not in _BACK_EDGES] for op in region}
+  pending = {op: len(p) for op, p in preds.items()}
+  users = {}
+  for op, p in preds.items():
+    for x in p:
+      users.setdefault(x, []).append(op)
+  ready = [op for op, n in pending.items() if n == 0]
+  while ready:
+    for u in users.get(ready.pop(), ()):
+      pending[u] -= 1
+      if pending[u] == 0:
+        ready.append(u)
+  stuck = {op for op, n in pending.items() if n > 0}
+  if stuck:
+    pairs = sorted((r.name, w.name) for w, rs in added.items() if w in stuck for r in rs
+                   if r in stuck)
+    raise EplError(
+        "epl could not order the step's writes after their reads without a cycle: %s "
+        "(read, write). Please report this graph." % pairs[:4])
 
 
 def verify(graph, train_ends):
@@ -227,5 +219,5 @@ def verify(graph, train_ends):
   ``train_ends``, op names or ops, depend on) that the graph does not order before a write
   of that variable in the step. Empty when the invariant holds."""
   get = lambda x: graph.get_operation_by_name(x) if isinstance(x, str) else x   # noqa: E731
-  steps = [step_ops([get(e) for e in ends]) for ends in train_ends]
-  return [(r.name, w.name) for r, w, _ in missing_edges(steps)]
+  steps = [Step([get(e) for e in ends]) for ends in train_ends]
+  return [(r.name, w.name) for r, w in missing_edges(steps)]

@@ -23,7 +23,7 @@ Returns ``RaceDelay``.
 import dataclasses
 
 from epl import _tf_compat as compat
-from epl.passes.ordering import _CONTROL_FLOW, readers_of, step_ops, writes_of
+from epl.passes.ordering import _CONTROL_FLOW, Step, readers_of, step_ops, writes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +45,8 @@ def race_delay(ctx):
     return RaceDelay()
   late = set()
   for ends in ctx.result("analyze").train_ends:
-    step = step_ops(ends)
-    writes = {}
-    for op in step:
-      for var in writes_of(op):
-        writes.setdefault(var, []).append(op)
-    for var, ops in writes.items():
+    step = Step(ends)
+    for var, ops in step.writes.items():
       before = step_ops(ops)
       late.update(r for r in readers_of(var) if r in step and r not in before and
                   var not in writes_of(r) and not compat.in_control_flow(r) and
