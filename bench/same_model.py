@@ -19,6 +19,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+tf.disable_v2_behavior()    # as the tests (and the scripts they stand for) run
+
 import numpy as np  # noqa: E402
 
 import epl  # noqa: E402
