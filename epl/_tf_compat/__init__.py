@@ -91,7 +91,7 @@ from epl.sharding import sharded as _sharded
 # ---- private accessors (graph_edit.py) and the finalized-graph escape ----------------------
 from epl._tf_compat.graph_edit import (  # noqa: E402,F401  pylint: disable=wrong-import-position
     add_control_inputs, control_outputs, drop_colocation, import_nodes, in_control_flow, op_id,
-    delay_op, replace_control_inputs, set_device, update_input)
+    delay_op, downstream, replace_control_inputs, set_device, update_input)
 
 
 # ---- hooks -----------------------------------------------------------------------------------

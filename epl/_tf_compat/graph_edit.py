@@ -22,6 +22,20 @@ def control_outputs(op):
   return op._control_outputs  # pylint: disable=protected-access
 
 
+def downstream(ops, within=None):
+  """``ops`` and every op after them by data or control edges (only through ops in
+  ``within``, when given)."""
+  seen, work = set(), list(ops)
+  while work:
+    op = work.pop()
+    if op in seen or (within is not None and op not in within):
+      continue
+    seen.add(op)
+    work.extend(c for t in op.outputs for c in t.consumers())
+    work.extend(control_outputs(op))
+  return seen
+
+
 def in_control_flow(op):
   """True for an op built inside a v1 ``tf.cond`` branch or ``tf.while_loop`` body (its
   Python control-flow context; ops TF imported or epl cloned have none)."""

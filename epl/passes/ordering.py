@@ -126,15 +126,7 @@ class Step:
 
   def after(self, ops):
     """The ops of the step that run after ``ops`` by its edges (``ops`` included)."""
-    seen, work = set(), list(ops)
-    while work:
-      op = work.pop()
-      if op in seen or op not in self.inputs:
-        continue
-      seen.add(op)
-      work.extend(c for t in op.outputs for c in t.consumers())
-      work.extend(compat.control_outputs(op))
-    return seen
+    return compat.downstream(ops, within=self.inputs)
 
 
 def _kind(op, var, shared):

@@ -143,15 +143,7 @@ def attribute_ops(graph, recorder, upto_version):
 def retired(graph, names):
   """The ops a split variable's relayout left unread (epl._tf_compat.split_variables): its
   first parts and every op that reads them, directly or through others."""
-  out, work = set(), [graph.get_operation_by_name(n) for n in names]
-  while work:
-    op = work.pop()
-    if op in out:
-      continue
-    out.add(op)
-    work.extend(c for t in op.outputs for c in t.consumers())
-    work.extend(compat.control_outputs(op))
-  return out
+  return compat.downstream([graph.get_operation_by_name(n) for n in names])
 
 
 def _from_colocation(op, by_name, owner):
