@@ -408,6 +408,14 @@ def judge(samples):
   training = [s for s in samples if "exit_s" not in s] or samples
   middle, end = training[len(training) // 2], training[-1]
   problems = []
+  if any(s["evals"] for s in training):
+    # the first evaluation starts its own threads (its iterator's pools: +6 seen) once; growth
+    # is judged from the first sample after it (on a slow machine it came after the middle)
+    settled = next(s for s in training if s["evals"])
+    if settled is end:
+      problems.append("the first evaluation came only in the last sample (t=%.0f s): growth "
+                      "not judged; evaluate more often (--eval-every)" % end["t"])
+    middle = max(middle, settled, key=lambda s: s["t"])
   peak = max(s["threads"] for s in samples)
   if peak > MAX_THREADS:
     problems.append("thread count reached %d (> %d)" % (peak, MAX_THREADS))

@@ -22,7 +22,7 @@ SECONDS = 8
 @pytest.mark.alone    # a soak runs at full speed (the guide: each case alone)
 def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
   out = subprocess.run([sys.executable, SOAK, "--alone", "--seconds", str(SECONDS),
-                        "--interval", "2", "--checkpoint-secs", "4", "--eval-every", "300",
+                        "--interval", "2", "--checkpoint-secs", "4", "--eval-every", "100",
                         "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
   lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
   assert lines, out.stdout[-2000:] + out.stderr[-3000:]
@@ -49,7 +49,7 @@ def test_each_case_alone_at_full_speed_stays_alive_flat_and_in_step():
     last = samples[-1]
     # hundreds of steps, not a speed test (bench/ measures speed): pipe2x1 trained 800 to
     # 1100 steps in 12 s on the same machine within minutes, for the same tree (an
-    # evaluation every 300 steps: at least one)
+    # evaluation every 100 steps: at least one)
     assert last["steps"] >= 300 and last["evals"] >= 1, (name, last)
     assert last["gs"] == (last["steps"] + 1) // 2, (name, last)   # train_g in every other step
   assert out.returncode == 0, out.stderr[-2000:]
@@ -114,3 +114,10 @@ def test_growth_is_judged_while_training_not_in_the_sample_at_exit():
   growing = [dict(base, t=t, rss_mb=305.0 + 10 * t) for t in (0, 2, 4, 6, 8)]
   assert any("RSS grew" in p for p in soak.judge(growing + [at_exit]))
   assert any("RSS grew" in p for p in soak.judge(flat[:3] + [dict(base, t=9, rss_mb=400.0)]))
+  # the first evaluation's threads (+6, once) are not growth; growth after it is
+  evaluated = [dict(s, evals=int(s["t"] >= 6), threads=29 + 6 * (s["t"] >= 6)) for s in flat]
+  assert soak.judge(evaluated + [at_exit]) == []
+  assert any("threads grew" in p for p in soak.judge(
+      evaluated[:-1] + [dict(evaluated[-1], threads=29 + 6 + 5)] + [at_exit]))
+  late = [dict(s, evals=int(s["t"] >= 8)) for s in flat]
+  assert any("growth not judged" in p for p in soak.judge(late + [at_exit]))
