@@ -166,6 +166,10 @@ class Recorder:
     self.uses = {}             # sharded or split-variable tensor -> rules that read it
     self.reductions = []       # (TaskGraph, "forward"/"backward", op name): where the parts'
                                # partial results are summed (a tensor-parallel all-reduce)
+    self.replaced = {}         # split value -> the value a relayout made again in its place
+                               # (an op built after reads the new one)
+    self.fallbacks = {}        # op name -> why a rule did not build it (it reads the whole
+                               # value: a gather, epl.plan.split.gathers)
     self.retired = set()       # names of variable ops a relayout replaced (no collection
                                # holds them; the plan leaves out them and what reads them)
     self.exchange_axes = {}    # op name -> batch axis of the values it exchanges between the

@@ -169,6 +169,11 @@ KEYS = {k.name: k for k in [
             "split as a shell would (default: epl-launch's own interpreter)"),
     _k("launch.port_range", "str", "",
        help="epl-launch --port_range LOW-HIGH: the ports the workers' servers may use"),
+    _k("split.gather_fallback", "str", "allow", ("allow", "refuse"),
+       help="an op of a split TaskGraph that no split rule covers runs on the whole value "
+            "(its parts gathered on the first part's device, its gradient sent back): "
+            "\"allow\" runs it (the plan lists each gather), \"refuse\" makes a gather the "
+            "training step needs a PlanError before training", unannotated=MOOT),
     _k("testing.race_delay_ms", "int", 0, minimum=0,
        help="tests only, the race amplifier: every read of a variable the training step "
             "writes starts this many ms after its inputs are ready, so a write the graph does "

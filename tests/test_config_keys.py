@@ -109,6 +109,7 @@ ALONE = {
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
     "testing.race_delay_ms": (20, {}, None),
+    "split.gather_fallback": ("refuse", {}, "tests/test_split_rules.py::test_the_strict_key_refuses_a_gather_in_the_step_naming_the_op_and_where"),
     "graph.grappler": ("off", {}, lambda pg, g, l: _merged(pg).graph_options.rewrite_options
                        .disable_meta_optimizer),
     "log.stall_secs": (5, {}, "tests/test_launch_edges.py::test_a_frozen_worker_is_reported_with_what_its_process_does"),

@@ -310,24 +310,6 @@ def _build_and_start(body, devices=2, **extra):
       sess.run(tf.global_variables_initializer())
 
 
-def _head_with(op):
-  def body():
-    x = tf.placeholder(tf.float32, [None, 4])
-    with epl.replicate(2):
-      h = tf.layers.dense(x, 8)
-    with epl.split(2):
-      logits = tf.layers.dense(h, 10)
-      out = op(logits)
-    tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(out))
-  return body
-
-
-def test_an_op_without_a_split_rule_is_refused_with_the_supported_list():
-  with pytest.raises(PlanError, match=r"TopKV2.*reads the split value.*Supported inside "
-                                      r"epl.split: tf.layers.dense"):
-    _build_and_start(_head_with(lambda logits: tf.nn.top_k(logits, 3).values))
-
-
 def test_split_mistakes_are_clear_errors():
   with pytest.raises(AnnotationError, match="default strategy must be epl.replicate"):
     _build_and_start(lambda: epl.set_default_strategy(epl.split(2)))

@@ -46,6 +46,28 @@ CASES = {
         tf.cast(tf.equal(tf.argmax(z, axis=1), y), tf.float32)),
     "two split layers": lambda z, y: _reduce(tf.layers.dense(
         tf.nn.relu(z), CLASSES, kernel_initializer=sm._init(6), name="second")),
+    # epl.sharding.arrays: what published transformers do with split values
+    "stack and unstack (a key/value cache)": lambda z, y: _reduce(
+        tf.unstack(tf.stack([z, tf.tanh(z)], axis=1), axis=1)[1]) + _reduce(
+            tf.stack([z, 2.0 * z], axis=-2), 4),
+    "concat along another axis, a whole operand": lambda z, y: _reduce(
+        tf.concat([z, tf.tanh(z), _weights([2, CLASSES], 5)], axis=-2)),
+    "concat along the split axis": lambda z, y: _reduce(tf.concat([z, tf.nn.relu(z)], 1)),
+    "strided slices taking the split axis whole": lambda z, y: 0.2 * (_reduce(z[1:, :]) + _reduce(
+        z[:-1, tf.newaxis, ..., :CLASSES], 5) + _reduce(z[..., tf.newaxis], 6) + tf.reduce_sum(
+            z[-1, :] * _weights([CLASSES], 7))),
+    "tf.slice taking the split axis whole": lambda z, y: _reduce(
+        tf.slice(z, [1, 0], [3, -1])) + _reduce(tf.slice(z, [0, 0], [-1, CLASSES]), 5),
+    "expand_dims and squeeze": lambda z, y: _reduce(tf.squeeze(tf.expand_dims(
+        z, 0), axis=[0])) + _reduce(tf.expand_dims(z, -1), 5),
+    "tile and pad": lambda z, y: _reduce(tf.tile(z, [2, 1])) + _reduce(
+        tf.pad(z, [[1, 2], [0, 0]]), 5),
+    "top_k over the split axis": lambda z, y: _reduce(tf.nn.top_k(z, 3).values) + 1e-3 * \
+        tf.reduce_sum(tf.cast(tf.nn.top_k(z + 1.0, 4).indices, tf.float32)),
+    "l2_loss": lambda z, y: tf.nn.l2_loss(z) + _reduce(z),
+    "reshape to heads of rank 4 and back to rank 2 (BERT)": lambda z, y: _reduce(tf.reshape(
+        tf.transpose(tf.reshape(z, [-1, 1, 2, CLASSES // 2]), [0, 2, 1, 3]) * 2.0,
+        [-1, CLASSES])),
 }
 
 
@@ -73,6 +95,7 @@ def test_split_rule_matches_the_local_op(case):
                  config=epl.Config({"cluster.devices_per_worker": 2,
                                     "cluster.colocate_split_and_replicate": True}),
                  initial=local.initial, eval_rows=4)
+  assert not run.parallel.plan.gathers, "\n".join(map(str, run.parallel.plan.gathers))
   for got, want in zip(run.fetched, local.fetched):
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(run.evaluated["loss"], local.evaluated["loss"], rtol=1e-5,
@@ -80,3 +103,52 @@ def test_split_rule_matches_the_local_op(case):
   for name, value in local.variables.items():
     np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-5,
                                err_msg=name)
+
+
+def _cumsum_head(z, y):
+  """The loss through an op no split rule covers (tf.cumsum over the split axis), and one
+  the step does not need (a sampling-style top-p cumsum, fetched only)."""
+  tf.cumsum(tf.nn.softmax(z), axis=1, name="unused_cumsum")
+  return 0.05 * _reduce(tf.cumsum(z, axis=1, name="loss_cumsum"))
+
+
+def test_an_op_without_a_rule_runs_on_the_gathered_value_and_trains_the_local_model():
+  rng = np.random.RandomState(0)
+  data = (rng.randn(2 * ROWS, 5).astype(np.float32), rng.randint(0, CLASSES, 2 * ROWS))
+  local = sm.train(lambda: _build(_cumsum_head, *sm.local_scopes()), data, 2, ROWS)
+  trunk, head = sm.scopes(2, 2)
+  run = sm.train(lambda: _build(_cumsum_head, trunk, head), data, 2, ROWS,
+                 config=epl.Config({"cluster.devices_per_worker": 2,
+                                    "cluster.colocate_split_and_replicate": True}),
+                 initial=local.initial)
+  gathers = {g.op: g for g in run.parallel.plan.gathers}
+  assert sorted(gathers) == ["loss_cumsum", "unused_cumsum"], gathers
+  used, unused = gathers["loss_cumsum"], gathers["unused_cumsum"]
+  assert (used.op_type, used.in_step, used.backward) == ("Cumsum", True, True), used
+  assert (unused.in_step, unused.backward) == (False, False), unused
+  assert used.reason == "no split rule for Cumsum" and used.bytes == -1, used  # batch: None
+  assert used.location.startswith("test_split_rules.py:"), used
+  report = run.parallel.format()
+  assert "Gathers (ops no split rule covers, run on the whole value): 1 in the training step" \
+      in report and "1 outside it" in report, report
+  for got, want in zip(run.fetched, local.fetched):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, atol=1e-5)
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+
+
+def test_the_strict_key_refuses_a_gather_in_the_step_naming_the_op_and_where():
+  rng = np.random.RandomState(0)
+  data = (rng.randn(2 * ROWS, 5).astype(np.float32), rng.randint(0, CLASSES, 2 * ROWS))
+  trunk, head = sm.scopes(2, 2)
+  with pytest.raises(epl.errors.PlanError) as e:
+    sm.train(lambda: _build(_cumsum_head, trunk, head), data, 1, ROWS,
+             config=epl.Config({"cluster.devices_per_worker": 2,
+                                "cluster.colocate_split_and_replicate": True,
+                                "split.gather_fallback": "refuse"}))
+  message = str(e.value)
+  assert "1 split value(s) whole" in message and "loss_cumsum (Cumsum, test_split_rules.py:" \
+      in message and "no split rule for Cumsum" in message, message
+  assert "unused_cumsum" not in message, message          # outside the step: allowed
+  assert 'set split.gather_fallback to "allow"' in message, message

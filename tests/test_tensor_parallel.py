@@ -1,9 +1,9 @@
 """Tensor parallelism of transformer blocks (Megatron-LM's pattern) on the GPT-2-style
-language model (tests/real_scripts/gpt2_lm.py) written as the local script writes it: the
-whole model in one ``epl.split`` scope trains the local model (1e-5), and each weight is cut
-as its use asks (epl.sharding.layout): the first dense of a pair by columns, the second by
-rows, Q/K/V in groups with whole heads per part, layer norms whole, the tied embedding by
-vocabulary rows."""
+language model (tests/real_scripts/gpt2_lm.py) with everything at once: ZeRO, gradient
+checkpointing and AMP inside pipeline stages on one worker and across two, checkpoints across
+layouts, memory per device, heads that do not divide over the parts. The layouts alone (TP 2 and
+4, TP 2 x DP 2, DP 2 x PP 2 x TP 2), with each weight's cut as its use asks
+(epl.sharding.layout), are tests/test_tp_published.py's, on GPT-2 as published."""
 import contextlib
 import functools
 import importlib.util
@@ -63,34 +63,6 @@ def _parity(stage, config, heads=2, rtol=1e-5):
   return run
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_transformer_split_over_parts_trains_the_local_model(tp):
-  run = _parity(lambda i: epl.split(tp, name="tp"), {"cluster.devices_per_worker": tp},
-                heads=tp)
-  cuts = _cuts(run.graph)
-  e, v = gpt2_lm.EMBD, gpt2_lm.VOCAB
-  rows = lambda n, tail: [((0, i * n // tp) + (0,) * len(tail), (1, n // tp) + tail)
-                          for i in range(tp)]
-  assert cuts["model/h0/mlp/c_proj/w"] == rows(4 * e, (e,))          # row parallel
-  assert cuts["model/h0/attn/c_proj/w"] == rows(e, (e,))
-  assert cuts["model/h0/mlp/c_fc/w"] == [((0, 0, i * 4 * e // tp), (1, e, 4 * e // tp))
-                                         for i in range(tp)]          # column parallel
-  assert len(cuts["model/h0/attn/c_attn/w"]) == 3 * tp                 # Q, K, V in groups
-  assert cuts["model/h0/ln_1/g"] == [((0,), (e,))]                    # whole
-  assert cuts["model/h0/mlp/c_proj/b"] == [((0,), (e,))]
-  assert cuts["model/wte"] == [((i * v // tp, 0), (v // tp, e)) for i in range(tp)]
-  # each part on its own device (one model copy: placed all the same)
-  for name in ("model/h0/mlp/c_fc/w", "model/h0/mlp/c_proj/w", "model/wte"):
-    devices = set(sm.part_devices(run.graph)[name])
-    assert len(devices) == tp, (name, devices)
-  # Megatron's count: 2 all-reduces forward and 2 backward per block; the embeddings' lookups
-  # (wte, wpe) forward, the tied logits' input backward
-  layers = gpt2_lm.LAYERS
-  assert dict(run.parallel.plan.reductions) == {0: (2 * layers + 2, 2 * layers + 1)}
-  assert "%d + %d all-reduce(s) of the parts" % (2 * layers + 2, 2 * layers + 1) in \
-      run.parallel.format()
-
-
 def _tp_stages(i):
   return epl.split(2, name="stage%d" % i)
 
@@ -99,11 +71,10 @@ RECIPE = {"cluster.devices_per_worker": 8, "pipeline.num_micro_batch": 4}
 FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
 
 
+# TP 2, TP 4, TP 2 x DP 2 and DP 2 x PP 2 x TP 2 with 4 micro-batches (cuts, all-reduce counts,
+# what each device holds): tests/test_tp_published.py, on GPT-2 as published
 @pytest.mark.parametrize("layout,stage,config,rtol", [
-    ("TP 2 x DP 2", lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4},
-     1e-5),
-    ("DP 2 x PP 2 x TP 2, 4 micro-batches", _tp_stages, RECIPE, 1e-5),
-    ("the same + ZeRO v1 + gradient checkpointing", _tp_stages,
+    ("DP 2 x PP 2 x TP 2, 4 micro-batches, ZeRO v1 + gradient checkpointing", _tp_stages,
      dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto"}), 1e-5),
     ("the same + AMP O1", _tp_stages,
      dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto",
@@ -228,8 +199,15 @@ def test_tensor_parallel_and_zero_divide_what_each_device_holds():
   assert sum(zero) < 0.7 * sum(tp), (zero, tp)
 
 
-def test_heads_that_do_not_divide_over_the_parts_are_one_clear_error():
-  with pytest.raises(epl.errors.PlanError, match=r"into 2 heads of 8: every part must hold "
-                                                 r"whole heads; give epl.split a device_count"):
+def test_heads_that_do_not_divide_over_the_parts_run_gathered_and_the_strict_key_says_why():
+  """2 heads over 4 parts: the reshape into heads runs on the gathered value (the same model,
+  listed in the plan with the reason); split.gather_fallback "refuse" names it."""
+  run = _parity(lambda i: epl.split(4, name="tp"), {"cluster.devices_per_worker": 4}, heads=2)
+  reasons = [g.reason for g in run.parallel.plan.gathers if g.in_step]
+  assert reasons and all("every part must hold whole heads" in r for r in reasons), reasons
+  with pytest.raises(epl.errors.PlanError, match=r"(?s)gather_fallback is \"refuse\".*2 heads "
+                                                 r"of 8: every part must hold whole heads; "
+                                                 r"give epl.split a device_count"):
     sm.train(lambda: _build(lambda i: epl.split(4, name="tp"), 2), _data(), 1, ROWS,
-             config=epl.Config({"cluster.devices_per_worker": 4}))
+             config=epl.Config({"cluster.devices_per_worker": 4,
+                                "split.gather_fallback": "refuse"}))

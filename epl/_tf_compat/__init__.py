@@ -11,7 +11,8 @@ Two kinds of things live here:
     hooked function                          why
     ======================================  ==================================================
     op_def_library._apply_op_helper          epl.split: an op built in a split scope is built
-                                             per part by its split rule (epl.sharding.rules)
+                                             per part by its split rule (epl.sharding.rules),
+                                             or on the whole values when none covers it
     gradients_util._GradientsHelper          force ``colocate_gradients_with_ops=True`` so each
                                              gradient op is attributable to its forward op;
                                              record the ids of the backward ops and the raw
@@ -234,16 +235,23 @@ def _slices_hook(original):
 
 
 def _apply_op_hook(original):
-  """Inside a split scope, an op that reads a sharded value is built by its split rule."""
+  """Inside a split scope, an op that reads a sharded value is built by its split rule; an op
+  no rule covers is built on the whole values (the gather fallback), its reason recorded."""
   def apply_op(op_type_name, name=None, **keywords):   # TF's own signature: (name, **keywords)
-    if op_type_name in _split_rules.RULES and not _sharded.in_rule():
+    if not _sharded.in_rule() and keywords:
       keywords = {k: _whole(v) for k, v in keywords.items()}
-      scope = _split_scope(list(_split_rules.tensors(keywords)))
+      inputs = list(_split_rules.tensors(keywords))
+      scope = _split_scope(inputs) if inputs else None
       if scope is not None:
-        outputs = _split_rules.apply(
+        keywords = _split_rules.current(scope, keywords)
+        outputs, reason = _split_rules.apply(
             scope, op_type_name, lambda **kw: original(op_type_name, **kw)[3], keywords, name)
         if outputs is not None:
           return None, False, outputs[0].op, outputs
+        if reason is not None:
+          built = original(op_type_name, name=name, **keywords)
+          scope.recorder.fallbacks[built[2].name] = reason
+          return built
     return original(op_type_name, name=name, **keywords)
   return apply_op
 

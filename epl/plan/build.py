@@ -69,8 +69,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   """Returns the ParallelPlan of ``graph``'s first ``upto_version`` ops (default: all).
 
   Raises:
-    PlanError: the annotations do not fit the devices, or a split TaskGraph holds an op its
-      rules don't cover (the message names scope, op and numbers).
+    PlanError: the annotations do not fit the devices, or (split.gather_fallback "refuse")
+      the training step reads a split value whole (the message names scope, op and numbers).
     NotImplementedYetError: a combination this version does not build.
   """
   micro = recorder.micro_batches or config.pipeline.num_micro_batch   # planner's, if any
@@ -94,8 +94,11 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   phases = _phases(owner, phase, len(specs))
   tgs = tuple(TaskGraphPlan(index=i, name=s.name, placement=placements[i], location=s.location,
                             ops=phases[i]) for i, s in enumerate(specs))
-  parts, crossings = _split_facts(ops, rank, owner, phase, recorder, specs, placements)
-  reductions = _reductions(recorder, specs, {op.name for op in phase})
+  parts, crossings, gathers, step = _split_facts(ops, rank, owner, phase, recorder, specs,
+                                                 placements)
+  if config.split.gather_fallback == "refuse":
+    split_facts.refuse_gathers(gathers)
+  reductions = _reductions(recorder, specs, {op.name for op in step})
   copies = _layout(placements, config.cluster.colocate_split_and_replicate, cluster)
   gradients = _gradients(recorder)
   runs = _accumulate_runs(config, placements, micro, gradients)
@@ -109,7 +112,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
       gradients=gradients, shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
-      parts=parts, crossings=crossings, reductions=reductions, **common)
+      parts=parts, crossings=crossings, reductions=reductions, gathers=gathers, **common)
 
 
 def _attribute(graph, recorder, upto):
@@ -136,18 +139,21 @@ def _phases(owner, phase, count):
 
 
 def _split_facts(ops, rank, owner, phase, recorder, specs, placements):
-  """(parts, crossings): which part of a split TaskGraph each op's output is, and the
-  tensors that cross between TaskGraphs of different layouts."""
+  """(parts, crossings, gathers, step): which part of a split TaskGraph each op's output is,
+  the tensors that cross between TaskGraphs of different layouts, the ops that read a split
+  value whole (no rule covers them), and the ops of the training step (when there is a split
+  TaskGraph: its rules' all-reduces are counted there)."""
   kinds = {i: p.kind for i, p in enumerate(placements)}
   split_tgs = {i for i, k in kinds.items() if k == SPLIT}
-  parts, crossings = {}, ()
+  parts, crossings, gathers, step = {}, (), (), set()
   if split_tgs:
-    split_facts.check_rules(ops, rank, owner, phase, recorder, split_tgs, specs)
+    step = split_facts.training_step(ops, phase)
+    gathers = split_facts.gathers(ops, rank, owner, phase, recorder, split_tgs, specs, step)
     parts = split_facts.assign_parts(ops, rank, owner, phase, recorder, split_tgs)
   if split_tgs or len({p.devices for p in placements if p.kind == REPLICATE}) > 1:
     crossings = split_facts.crossings(ops, owner, phase, kinds, specs, placements,
                                       recorder.exchange_axes)
-  return parts, crossings
+  return parts, crossings, gathers, step
 
 
 def _accumulate_runs(config, placements, micro, gradients):
@@ -315,8 +321,8 @@ def _layout(placements, colocate, cluster):
 
 
 def _reductions(recorder, specs, kept):
-  """{split TaskGraph (plan index): (forward, backward) tensor-parallel sums}; the ops a
-  relayout left unread do not count."""
+  """{split TaskGraph (plan index): (forward, backward) tensor-parallel sums} of the training
+  step (``kept``: its ops; a relayout's unread ops, evaluation and sampling do not count)."""
   index = {s.index: i for i, s in enumerate(specs)}
   out = {}
   for taskgraph, direction, op in recorder.reductions:

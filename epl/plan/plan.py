@@ -19,6 +19,7 @@ import json
 from typing import Dict, Mapping, Tuple
 
 from epl.cluster import worker_of
+from epl.plan.gather import Gather
 from epl.plan.placement import Collective, Placement, placement_from_dict
 
 PHASES = ("forward", "backward", "apply")
@@ -187,6 +188,9 @@ class ParallelPlan:
   # (tensor-parallel all-reduces: row-parallel matmuls and embedding lookups forward, the
   # inputs of column-parallel ones backward)
   reductions: Mapping[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+  # ops of split TaskGraphs that read a split value whole (no rule covers them): the gather
+  # fallback (split.gather_fallback)
+  gathers: Tuple[Gather, ...] = ()
   memory: Memory = Memory()
   # gradient accumulation as session runs (graph.micro_batches): each user step is this many
   # runs of the graph's one copy per device, the update in the last; num_micro_batch is then 1
@@ -281,6 +285,7 @@ class ParallelPlan:
     raw["communication"] = Communication(**raw["communication"])
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
     raw["reductions"] = {int(t): tuple(n) for t, n in raw.get("reductions", {}).items()}
+    raw["gathers"] = tuple(Gather(**g) for g in raw.get("gathers", ()))
     memory = dict(raw.get("memory", {}))
     memory["checkpoints"] = tuple(memory.get("checkpoints", ()))
     raw["memory"] = Memory(**memory)

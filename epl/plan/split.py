@@ -1,5 +1,6 @@
 """Plan-time facts of split TaskGraphs: the part each op runs on, the tensors that cross
-between replicated and split TaskGraphs, and the checks that refuse what the rules don't cover.
+between replicated and split TaskGraphs, and the ops that read a split value whole (no rule
+covers them: the gather fallback).
 
 Parts: an op the split rules built for shard i (``Recorder.shard_intervals``) or a variable's
 part i (``Recorder.shard_ops``) runs on the TaskGraph's i-th device; a gradient or optimizer op
@@ -8,12 +9,14 @@ colocate slots and updates with their variable), failing that its first input th
 everything else (the rules' combining ops, the loss mean) runs on the first device.
 """
 import bisect
+import os
 
 from epl import _tf_compat as compat
 from epl.errors import PlanError
 from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
                            VARIABLE_OPS)
 from epl.plan.placement import bridge
+from epl.plan.gather import Gather
 from epl.plan.plan import Crossing
 from epl.sharding.rules import SUPPORTED
 
@@ -69,21 +72,74 @@ def assign_parts(ops, rank, owner, phase, recorder, split_tgs):
   return {name: part for name, part in parts.items() if part}
 
 
-def check_rules(ops, rank, owner, phase, recorder, split_tgs, specs):
-  """Refuses a forward op of a split TaskGraph that reads a sharded value without a rule."""
-  wholes = {t for t in recorder.sharded}
+def gathers(ops, rank, owner, phase, recorder, split_tgs, specs, step):
+  """The forward ops of split TaskGraphs that read a split value whole -- no rule covers them
+  (``Recorder.fallbacks`` says why): they run on the parts' concatenation, on the first part's
+  device, and their gradient goes back through it (the gather fallback)."""
+  wholes = recorder.sharded
   built_by_rule = _Intervals([(a, b, True) for a, b in recorder.rule_intervals])
+  found = []
   for op in ops:
     if owner.get(op) not in split_tgs or phase[op] != "forward" or rank[op] in built_by_rule:
       continue
-    sharded = [t for t in op.inputs if t in wholes]
-    if sharded:
-      raise PlanError(
-          "op %r (type %s) of split TaskGraph %r reads the split value %r, but epl has no "
-          "split rule for it with these arguments. Supported inside epl.split: %s. Move the op "
-          "out of the split scope (it then reads the gathered value) or rewrite it with the "
-          "supported ops" % (op.name, op.type, specs[owner[op]].name, sharded[0].name,
-                             "; ".join(SUPPORTED)))
+    read = next((t for t in op.inputs if t in wholes), None)
+    if read is not None:
+      found.append((op, read))
+  if not found:
+    return ()
+  with_gradient = {name for op in ops if phase[op] != "forward"
+                   for name in _colocated_with(op)}
+  return tuple(Gather(
+      op=op.name, op_type=op.type, tensor=t.name, taskgraph=specs[owner[op]].name,
+      bytes=_bytes(t), in_step=op in step, backward=op in step and t.op.name in with_gradient,
+      reason=recorder.fallbacks.get(op.name, "no split rule for %s" % op.type),
+      location=user_location(op)) for op, t in found)
+
+
+def refuse_gathers(found):
+  """split.gather_fallback "refuse": a PlanError naming every gather the training step runs."""
+  in_step = [g for g in found if g.in_step]
+  if in_step:
+    raise PlanError(
+        "split.gather_fallback is \"refuse\" and the training step reads %d split value(s) "
+        "whole:\n%s\nEach such op runs on the parts concatenated on the first part's device "
+        "(correct, but the whole value is sent there%s). Write it with ops epl splits "
+        "(%s), or set split.gather_fallback to \"allow\" to run it gathered (the plan lists "
+        "each gather)" % (
+            len(in_step), "\n".join("  %s: %s" % (g.taskgraph, g) for g in in_step),
+            " and its gradient back" if any(g.backward for g in in_step) else "",
+            "; ".join(SUPPORTED)))
+
+
+def training_step(ops, phase):
+  """The ops the training step runs: the gradients' and updates' ancestors."""
+  seen, work = set(), [op for op in ops if phase.get(op, "forward") != "forward"]
+  while work:
+    op = work.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return seen
+
+
+def _bytes(tensor):
+  shape = tensor.shape
+  if not shape.is_fully_defined():
+    return -1
+  return int(shape.num_elements()) * tensor.dtype.size
+
+
+def user_location(op):
+  """file:line of the user's code that built ``op`` (the last frame outside TF and epl)."""
+  skip = (os.sep + "tensorflow" + os.sep, os.sep + "tf_keras" + os.sep, os.sep + "keras" + os.sep,
+          os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+  for frame in reversed(list(op.traceback or ())):
+    name = os.path.abspath(frame.filename)
+    if not any(s in name for s in skip):
+      return "%s:%d" % (os.path.basename(name), frame.lineno)
+  return "<unknown>"
 
 
 def _batch_inputs(ops):

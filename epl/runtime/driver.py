@@ -61,7 +61,11 @@ def rewrite(state):
   with _no_cycle_collection():
     transform(state)
     plan = build_plan(state.graph, state.recorder, state.config, state.cluster)
-    state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
+    state.passes_running = True
+    try:
+      state.parallel = run_passes(state.graph, plan, state.cluster.worker_index)
+    finally:
+      state.passes_running = False
   pg = state.parallel
   if state.server is not None:
     serve.arrange_exit(state, plan)

@@ -78,6 +78,8 @@ class Dispatcher:
     """The rules context (epl.sharding.rules.SplitScope) of the split TaskGraph that an op
     created now joins -- inside ``with epl.split(...)`` or after it, outside any scope, or
     anywhere when it reads one of ``inputs`` that a split TaskGraph sharded -- or None."""
+    if self.state.passes_running:        # the passes' ops read parts and wholes as they are
+      return None
     recorder = self.state.recorder
     index = recorder.taskgraph_of(graph.version + 1)
     if index is None:

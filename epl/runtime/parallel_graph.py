@@ -7,6 +7,7 @@ import tensorflow.compat.v1 as tf
 
 from epl.cluster import worker_of
 from epl.passes.context import Clones
+from epl.plan.gather import size_text
 from epl.plan.plan import PHASES, ParallelPlan, WorkerView
 
 
@@ -86,6 +87,7 @@ class ParallelGraph:
       lines.append("TaskGraph %d %r: forward %d, backward %d, apply %d ops; %s" % (
           t.index, t.name, counts["forward"], counts["backward"], counts["apply"], where))
     lines.extend(self._split_lines())
+    lines.extend(gather_lines(self.plan.gathers))
     return "\n".join(lines)
 
   def _split_lines(self):
@@ -146,6 +148,7 @@ class ParallelGraph:
                        ", %d sparse all-gathered" % len(sync.gathered) if sync.gathered else "",
                        plan.communication.reduce_method,
                        "after" if plan.communication.clip_after_allreduce else "before"))
+    lines.extend("  " + line for line in gather_lines(plan.gathers, most=5))
     return "\n".join(lines)
 
   def draw(self, path):
@@ -155,3 +158,24 @@ class ParallelGraph:
 
   def __str__(self):
     return self.format()
+
+
+def gather_lines(gathers, most=None):
+  """The split values read whole (the gather fallback): a count, then one line per op."""
+  if not gathers:
+    return []
+  step = [g for g in gathers if g.in_step]
+  known = [g.bytes for g in step if g.bytes >= 0]
+  sizes = [size_text(sum(known)) + " per micro-batch"] if known else []
+  if len(known) < len(step):
+    sizes.append("%d of shape not static" % (len(step) - len(known)))
+  out = ["Gathers (ops no split rule covers, run on the whole value): %d in the training "
+         "step%s, %d outside it (run only when fetched)" % (
+             len(step), " (%s)" % ", ".join(sizes) if sizes else "",
+             len(gathers) - len(step))]
+  shown = sorted(gathers, key=lambda g: not g.in_step)
+  for g in shown[:most]:
+    out.append("  %s: %s" % (g.taskgraph, g))
+  if most is not None and len(shown) > most:
+    out.append("  ... and %d more (ParallelGraph.format() lists them)" % (len(shown) - most))
+  return out

@@ -15,6 +15,7 @@ class GraphState:
     self.cluster = cluster
     self.bind(graph)
     self.parallel = None        # epl.runtime.parallel_graph.ParallelGraph once rewritten
+    self.passes_running = False  # epl's passes build ops: no split rule acts on them
     self.amp = None             # epl.amp.Amp once amp.level transformed the graph
     self.collections = {}       # epl.add_to_collection: key -> [tensor]
     self.server = None          # this worker's tf.train.Server in a multi-worker job

@@ -43,11 +43,15 @@ def remade(scope, tensor, axis, sizes, shards=None, depth=0):
     return None
   again = scope.recorder.variables.get(tensor)
   if again is not None:          # epl._tf_compat.split_variables.relayout of its variable
-    return again(scope, axis, sizes, shards)
-  sharded = scope.lookup(tensor)
-  if sharded is None or sharded.remake is None or axis is None:
-    return None
-  return sharded.remake(axis, sizes, shards, depth + 1)
+    made = again(scope, axis, sizes, shards)
+  else:
+    sharded = scope.lookup(tensor)
+    if sharded is None or sharded.remake is None or axis is None:
+      return None
+    made = sharded.remake(axis, sizes, shards, depth + 1)
+  if made is not None:            # an op built later on ``tensor`` reads the new value
+    scope.recorder.replaced[tensor] = made
+  return made
 
 
 def align(scope, tensor, axis, like):

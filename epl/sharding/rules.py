@@ -48,16 +48,24 @@ Einsum (MoE: expert weights ``[E, ...]``)   the index of the sharded operand's s
                                             shard and the shards' results are summed
 =========================================  ===============================================
 
-An op built inside a split scope that reads a sharded value and has no rule here (or whose
-rule does not cover its arguments) is refused before training (``epl.plan.build``), with this
-list. Adding a rule is one row in ``RULES`` and one test.
+Array ops (epl.sharding.arrays): ``tf.stack`` / ``tf.unstack`` / ``tf.concat`` along an axis
+that is not split (a key/value cache), slices that take the split axis whole (``x[:, :-1]``),
+``expand_dims``, ``squeeze``, ``tile``, ``pad``, ``tf.nn.top_k`` over the split axis, ``l2_loss``.
+
+An op that reads a sharded value and has no rule here (or whose rule does not cover its
+arguments: the rule returns None or raises ``NotCovered`` with the reason; a rule never ends
+the job) runs on the whole value -- the parts concatenated on the first part's device, its
+gradient sent back to the parts through that concatenation: the gather fallback, like GSPMD's
+resharding, slower but the same model. The plan lists every such gather
+(``ParallelPlan.gathers``); ``split.gather_fallback: "refuse"`` makes those the training step
+needs a PlanError. Adding a rule is one row in ``RULES`` and one test.
 """
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.sharding import experts, layout, losses, transformer
-from epl.sharding.sharded import (axis_from_end, cut, enter_rule, exit_rule, part_name,
-                                  part_sizes, per_part, slices)
+from epl.sharding import arrays, experts, layout, losses, reshapes, transformer
+from epl.sharding.sharded import (NotCovered, axis_from_end, cut, enter_rule, exit_rule,
+                                  part_name, part_sizes, per_part, slices)
 
 SUPPORTED = (
     "tf.layers.dense / tf.keras.layers.Dense / tf.matmul (column or row parallel, "
@@ -69,27 +77,56 @@ SUPPORTED = (
     "tf.reduce_sum / reduce_mean / reduce_max / reduce_min", "tf.nn.softmax / log_softmax",
     "tf.losses.sparse_softmax_cross_entropy / tf.nn.sparse_softmax_cross_entropy_with_logits",
     "tf.nn.softmax_cross_entropy_with_logits", "tf.argmax (accuracy)",
-    "tf.einsum with expert weights [E, ...] (MoE dispatch / experts / combine)")
+    "tf.einsum with expert weights [E, ...] (MoE dispatch / experts / combine)") + \
+    arrays.SUPPORTED
 
 def apply(scope, op_type, build, keywords, name):
   """Runs the rule of ``op_type`` when one of its inputs is sharded.
 
-  ``build(**keywords)`` builds the op as TF would (returns its outputs). Returns the outputs
-  the op would have had, or None to build the op as usual.
+  ``build(**keywords)`` builds the op as TF would (returns its outputs). Returns (outputs,
+  None) with the outputs the op would have had, or (None, reason) when the op is to be built
+  as usual on the whole values -- it has no rule, or its rule does not cover these arguments
+  (the gather fallback: ``reason`` says why; None when no input is sharded).
   """
+  if not any(scope.lookup(t) is not None for t in tensors(keywords)):
+    return None, None
   rule = RULES.get(op_type)
-  if rule is None or not any(scope.lookup(t) is not None for t in tensors(keywords)):
-    return None
+  if rule is None:
+    return None, "no split rule for %s" % op_type
   first = scope.recorder.graph.version + 1
   enter_rule()
   try:
     outputs = rule(scope, op_type, build, dict(keywords), name)
+    reason = None if outputs is not None else \
+        "the %s rule does not cover these arguments" % op_type
+  except NotCovered as e:
+    outputs, reason = None, "%s: %s" % (op_type, e)
+  except Exception as e:           # pylint: disable=broad-except
+    # a rule never ends the job: what it cannot build runs on the whole values (listed)
+    outputs, reason = None, "the %s rule failed on these arguments (%s: %s)" % (
+        op_type, type(e).__name__, e)
   finally:
     exit_rule()
+  # what a rule built, even one that gave up (unread then: it never runs), is its own: it
+  # reads parts, not a gather
+  scope.recorder.add_rule_interval(first, scope.recorder.graph.version, scope.taskgraph)
   if outputs is not None:
     layout.count_uses(scope, keywords, tensors)
-    scope.recorder.add_rule_interval(first, scope.recorder.graph.version, scope.taskgraph)
-  return outputs
+  return outputs, reason
+
+
+def current(scope, keywords):
+  """``keywords`` with every split value a relayout made again replaced by the new one."""
+  replaced = scope.recorder.replaced
+  if not replaced:
+    return keywords
+  def now(value):
+    if isinstance(value, (list, tuple)):
+      return type(value)(now(v) for v in value)
+    while isinstance(value, tf.Tensor) and value in replaced:
+      value = replaced[value]
+    return value
+  return {k: now(v) for k, v in keywords.items()}
 
 
 def tensors(keywords):
@@ -124,79 +161,6 @@ def elementwise(scope, op_type, build, kw, name):
   remake = layout.replayer(elementwise, scope, op_type, build, kw, name,
                            lambda t, axis: layout.from_end(t, axis, rank)) if rank else None
   return [scope.register(outs, first.axis, first.sizes, name, first.shards, remake)]
-
-
-def _folded(t):
-  """The value of a small integer tensor that TF's constant folding in Python misses
-  (``tf.stack([tf.rank(x) - 1])``), or None."""
-  value = tf.get_static_value(t)
-  if value is not None:
-    return value
-  if t.op.type == "Pack":
-    items = [_folded(i) for i in t.op.inputs]
-    return None if any(i is None for i in items) else np.stack(items)
-  if t.op.type in ("Sub", "AddV2", "Add"):
-    a, b = (_folded(i) for i in t.op.inputs)
-    if a is None or b is None:
-      return None
-    return a - b if t.op.type == "Sub" else a + b
-  return None
-
-
-def _last_dim(scope, shape):
-  """The static last entry of a shape tensor, or None. Knows TF's "flatten the outer
-  dimensions" idioms: concat([[-1], slice(tf.shape(x), [rank - 1], [1])]) and
-  stack([-1, tf.shape(x)[rank - 1]])."""
-  value = tf.get_static_value(shape, partial=True)
-  if value is not None and len(value) and value[-1] is not None:
-    return int(value[-1])
-  if shape.op.type not in ("ConcatV2", "Pack"):
-    return None
-  last = shape.op.inputs[-2 if shape.op.type == "ConcatV2" else -1]
-  value = tf.get_static_value(last, partial=True)
-  if value is not None and np.ndim(value) and len(value) and value[-1] is not None:
-    return int(value[-1])
-  of = scope.recorder.sharded_shapes.get(last.op.inputs[0]) if last.op.type in (
-      "Slice", "StridedSlice") else None
-  begin = _folded(last.op.inputs[1]) if of is not None else None
-  rank = of.parts[0].shape.rank if of is not None else None
-  if begin is not None and rank is not None and int(np.ravel(begin)[0]) % rank == rank - 1 \
-      and of.axis == rank - 1:
-    return of.total
-  return None
-
-
-def reshape(scope, op_type, build, kw, name):
-  tensor, shape = kw["tensor"], kw["shape"]
-  sharded = scope.lookup(tensor)
-  shape = tf.convert_to_tensor(shape)
-  if sharded is None or shape.shape.rank != 1 or shape.shape.dims[0].value is None:
-    return None
-  rank = shape.shape.dims[0].value
-  remake = layout.replayer(reshape, scope, op_type, build, kw, name,
-                           lambda t, axis: layout.from_end(t, axis, rank))
-  if axis_from_end(sharded) == -1 and _last_dim(scope, shape) == sharded.total:
-    outs = per_part(scope, sharded, lambda i: build(
-        tensor=sharded.parts[i], name=part_name(name, i),
-        shape=tf.concat([shape[:-1], tf.constant([sharded.sizes[i]], shape.dtype)], 0))[0])
-    return [scope.register(outs, rank - 1, sharded.sizes, name, sharded.shards, remake)]
-  if _squeezes_leading(sharded, shape, rank):   # [1, nx, nf] by rows -> [nx, nf]
-    outs = per_part(scope, sharded, lambda i: build(
-        tensor=sharded.parts[i], name=part_name(name, i), shape=shape)[0])
-    return [scope.register(outs, 0, sharded.sizes, name, sharded.shards, remake)]
-  return transformer.reshape_heads(scope, build, sharded, shape, rank, name)
-
-
-def _squeezes_leading(sharded, shape, rank):
-  """True for a reshape of a value split along an axis with only 1s before it into
-  ``[-1, <the dims after it>]``."""
-  dims = sharded.parts[0].shape.as_list() if sharded.parts[0].shape.rank else None
-  target = tf.get_static_value(shape, partial=True)
-  if dims is None or target is None or sharded.axis == 0:
-    return False
-  after = dims[sharded.axis + 1:]
-  return all(d == 1 for d in dims[:sharded.axis]) and rank == len(after) + 1 and \
-      target[0] == -1 and [None if t is None else int(t) for t in target[1:]] == after
 
 
 def shape_of(scope, op_type, build, kw, name):
@@ -323,20 +287,21 @@ BINARY = ("AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
           "SquaredDifference", "Pow", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
           "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Select", "BiasAdd")
 
-# op type -> rule(scope, op_type, build, keywords, name) -> outputs, or None when the rule
-# does not cover these arguments (the op is then built as usual, and refused at plan time if
-# it reads a sharded value)
+# op type -> rule(scope, op_type, build, keywords, name) -> outputs, or None (or raises
+# NotCovered with the reason) when the rule does not cover these arguments: the op is then
+# built as usual on the whole values (the gather fallback, listed in the plan)
 RULES = dict(
     [(t, elementwise) for t in UNARY + BINARY] +
     [("MatMul", transformer.matmul), ("BatchMatMulV2", transformer.batch_matmul),
      ("BatchMatMulV3", transformer.batch_matmul), ("Transpose", transformer.transpose),
      ("Split", transformer.split), ("GatherV2", transformer.gather),
-     ("Reshape", reshape), ("Shape", shape_of),
+     ("Reshape", reshapes.reshape), ("Shape", shape_of),
      ("Sum", reduction), ("Mean", reduction), ("Max", reduction), ("Min", reduction),
      ("Softmax", losses.softmax), ("LogSoftmax", losses.softmax),
      ("SparseSoftmaxCrossEntropyWithLogits", losses.sparse_xent),
      ("SoftmaxCrossEntropyWithLogits", losses.dense_xent),
-     ("ArgMax", losses.argmax), ("Einsum", einsum)])
+     ("ArgMax", losses.argmax), ("Einsum", einsum)] +
+    list(arrays.RULES.items()))
 
 
 # ---- variables -------------------------------------------------------------------------------

@@ -68,6 +68,11 @@ def variable_axis(var):
   return 0
 
 
+class NotCovered(Exception):
+  """Raised by a rule for arguments it does not cover, with the reason (the op is then built
+  on the whole values: the gather fallback, listed in the plan)."""
+
+
 _active = threading.local()
 
 

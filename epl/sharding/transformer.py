@@ -19,9 +19,8 @@ table and epl.sharding.layout for how a weight's cut follows from its use):
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from epl.errors import PlanError
 from epl.sharding import layout
-from epl.sharding.sharded import part_name, part_sizes, per_part
+from epl.sharding.sharded import NotCovered, part_name, part_sizes, per_part
 
 
 def matmul(scope, op_type, build, kw, name):
@@ -169,11 +168,11 @@ def reshape_heads(scope, build, sharded, shape, rank, name):
       int(target[-2]) * int(target[-1]) == sharded.total
   if sharded.axis == source - 1 and rank == source + 1 and heads and \
       any(s % int(target[-1]) for s in sharded.sizes):
-    raise PlanError(
-        "reshape %r splits a value split over %d parts into %d heads of %d: every part must "
-        "hold whole heads; give epl.split a device_count that divides %d (or use a multiple "
-        "of it as the number of heads)" % (name, len(set(sharded.shards or range(
-            len(sharded.parts)))), int(target[-2]), int(target[-1]), int(target[-2])))
+    raise NotCovered(
+        "a value split over %d parts into %d heads of %d: every part must hold whole heads; "
+        "give epl.split a device_count that divides %d (or use a multiple of it as the "
+        "number of heads)" % (len(set(sharded.shards or range(len(sharded.parts)))),
+                              int(target[-2]), int(target[-1]), int(target[-2])))
   if sharded.axis == source - 1 and rank == source + 1 and target[-1] is not None and \
       target[-1] > 0 and all(s % int(target[-1]) == 0 for s in sharded.sizes):
     d = int(target[-1])
