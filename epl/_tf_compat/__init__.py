@@ -3,7 +3,7 @@
 Two kinds of things live here:
   * accessors for private graph-editing methods (op ids, in-place input/device edits), so a
     TF upgrade that renames them breaks one file;
-  * thirteen hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
+  * fourteen hooks (the ``_HOOKS`` table), installed by ``epl.init`` with the dispatcher that
     receives their events (epl.runtime.hooks) and removed by ``uninstall()``. Each wraps one TF
     function, forwards to the original, and only acts on the graph epl was initialised for:
 
@@ -32,6 +32,10 @@ Two kinds of things live here:
                                              worker's script passes is_chief=True; a failed
                                              save (a full disk) leaves no partial files and
                                              names the path
+    training.saver.Saver.build               a hand-written optimizer's slots of a split
+                                             variable's parts are saved as slices of the whole
+                                             variable's slot (split_variables
+                                             .adopt_part_slots) before the saver reads names
     training.saver.Saver.restore             a checkpoint written without epl's own state
                                              (AMP's loss scale: ``epl_*`` variables) restores,
                                              that state starting afresh (a job resumed with
@@ -267,6 +271,20 @@ def _whole(value):
   return value
 
 
+def _saver_build_hook(original):
+  def build(*args, **kwargs):
+    graph = _ops.get_default_graph()
+    if _state.manages(graph):
+      adopt_part_slots(graph, _state.listener.split_shards(graph))
+    return original(*args, **kwargs)
+  return build
+
+
+def adopt_part_slots(graph, shards):
+  """See epl._tf_compat.split_variables.adopt_part_slots."""
+  return _split_vars.adopt_part_slots(graph, shards)
+
+
 def split_variables():
   """The context an ``epl.split`` scope enters: variables created inside are sharded."""
   return _variable_scope.variable_creator_scope(
@@ -282,6 +300,7 @@ _HOOKS = (
     (_ops.Graph, "finalize", _graph_finalize_hook),
     (_session.BaseSession, "__init__", _session_init_hook),
     (_session.BaseSession, "run", _session_run_hook),
+    (_saver.Saver, "build", _saver_build_hook),
     (_saver.Saver, "save", saver_save_hook),
     (_saver.Saver, "restore", saver_restore_hook),
     (_session_manager.SessionManager, "_restore_checkpoint", restore_checkpoint_hook),

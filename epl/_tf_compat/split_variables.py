@@ -31,8 +31,11 @@ def create(scope_of, next_creator, **kwargs):
   ``scope_of()``: the rules context of the split scope the variable is created in, or None."""
   scope = scope_of()
   name = kwargs.get("name") or "Variable"
-  if scope is None or _sharded.in_rule() or _PART_NAME.search(name):
-    return next_creator(**kwargs)    # a user's own partitioner makes its parts: leave them
+  if scope is None or _sharded.in_rule() or _PART_NAME.search(name) or \
+      _part_of(name, scope.recorder.shard_ops) is not None:
+    # a user's own partitioner makes its parts, a hand-written optimizer its slots named
+    # after a part (adopt_part_slots): leave them
+    return next_creator(**kwargs)
   shape = kwargs.get("shape")
   initial = kwargs.get("initial_value")
   if shape is None and not callable(initial) and hasattr(initial, "shape"):
@@ -132,3 +135,43 @@ def relayout(variable, scope, axis, sizes, shards=None):
     whole = _split_rules.adopt_variable(scope, parts, axis, shards)
   variable._concat = lambda: whole          # pylint: disable=protected-access
   return whole
+
+
+def _part_of(name, shards):
+  """The longest ``<part>`` of a variable name ``<part>/<suffix>`` that names a split
+  variable's part (``shards``: part op name -> shard), or None."""
+  head = name
+  while "/" in head:
+    head = head.rsplit("/", 1)[0]
+    if head in shards:
+      return head
+  return None
+
+
+def adopt_part_slots(graph, shards):
+  """Slots a hand-written optimizer made for a split variable's parts by name (BERT's
+  AdamWeightDecayOptimizer: ``tf.get_variable(part.name + "/adam_m", shape=part.shape)``) are
+  split like the part, as TF's own slot_creator splits them: each saved as its slice of
+  ``<variable>/<suffix>`` (so a checkpoint restores into the local model and any layout) and
+  placed with its part (``shards``, part op name -> shard, gains the slot). Returns the names
+  adopted."""
+  parts = {v.op.name: v for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES)
+           if v.op.name in shards and v._get_save_slice_info() is not None}  # pylint: disable=protected-access
+  adopted = []
+  if not parts:
+    return adopted
+  for v in graph.get_collection(_ops.GraphKeys.GLOBAL_VARIABLES):
+    if v._get_save_slice_info() is not None:  # pylint: disable=protected-access
+      continue
+    owner = _part_of(v.op.name, parts)
+    info = owner and parts[owner]._get_save_slice_info()  # pylint: disable=protected-access
+    shape = v.get_shape().as_list()
+    if info is None or not shape or shape != list(info.var_shape[:len(shape)]):
+      continue
+    n = len(shape)
+    v._set_save_slice_info(_variables.Variable.SaveSliceInfo(  # pylint: disable=protected-access
+        info.full_name + v.op.name[len(owner):], list(info.full_shape[:n]),
+        list(info.var_offset[:n]), shape))
+    shards[v.op.name] = shards[owner]
+    adopted.append(v.op.name)
+  return adopted

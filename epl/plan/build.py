@@ -7,6 +7,7 @@ import dataclasses
 
 import tensorflow.compat.v1 as tf
 
+from epl import _tf_compat as compat
 from epl.annotate import REPLICATE, SPLIT
 from epl.config import IMPLICIT, KEYS, REFUSED
 from epl.errors import NotImplementedYetError, PlanError
@@ -89,6 +90,7 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
                                     "epl.init")
     cluster = dataclasses.replace(cluster, gpu_num_per_worker=1)
   upto = graph.version if upto_version is None else upto_version
+  compat.adopt_part_slots(graph, recorder.shard_ops)    # a hand-written optimizer's slots
   specs, owner, phase, ops, rank = _attribute(graph, recorder, upto)
   placements = _placements(specs, config, cluster)
   phases = _phases(owner, phase, len(specs))

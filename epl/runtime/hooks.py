@@ -74,6 +74,10 @@ class Dispatcher:
   def on_apply(self, graph, grads_and_vars):
     self.state.recorder.grads_and_vars.extend(grads_and_vars)
 
+  def split_shards(self, graph):
+    """{op name: shard} of the split variables' parts (and their slots) of ``graph``."""
+    return self.state.recorder.shard_ops
+
   def split_scope(self, graph, inputs=()):
     """The rules context (epl.sharding.rules.SplitScope) of the split TaskGraph that an op
     created now joins -- inside ``with epl.split(...)`` or after it, outside any scope, or

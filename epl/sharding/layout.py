@@ -87,11 +87,11 @@ def whole_weights(scope, keywords, tensors):
 
 
 def grouped(total, shards, groups):
-  """(sizes, shards) of ``total`` slices in ``groups`` equal groups, each cut over the shards:
-  shard i holds the i-th slice of every group."""
+  """(sizes, shards) of ``total`` slices in ``groups`` equal groups, each cut over the shards
+  (over as many as it has slices, when fewer): shard i holds the i-th slice of every group."""
   size = total // groups
-  one = part_sizes(size, shards)
-  return one * groups, tuple(range(shards)) * groups
+  one = part_sizes(size, min(shards, size))      # no empty part: fewer shards for a small one
+  return one * groups, tuple(range(len(one))) * groups
 
 
 def replayer(rule, scope, op_type, build, keywords, name, axis_of):

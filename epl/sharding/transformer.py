@@ -39,7 +39,8 @@ def matmul(scope, op_type, build, kw, name):
   if sb is None:
     return None
   if sb.axis != out_b:
-    again = layout.remade(scope, b, out_b, part_sizes(b.shape.dims[out_b].value, scope.n))
+    again = layout.remade(scope, b, out_b, part_sizes(b.shape.dims[out_b].value,
+                                                        min(scope.n, b.shape.dims[out_b].value)))
     if again is None:
       return None
     kw, sb = dict(kw, b=again), scope.lookup(again)
@@ -134,8 +135,8 @@ def gather(scope, op_type, build, kw, name):
     return None
   axis = int(axis) % params.shape.rank
   if sharded.axis != axis:
-    again = layout.remade(scope, params, axis, part_sizes(params.shape.dims[axis].value,
-                                                          scope.n))
+    rows = params.shape.dims[axis].value
+    again = layout.remade(scope, params, axis, part_sizes(rows, min(scope.n, rows)))
     if again is None:                       # another axis, settled: per part
       outs = per_part(scope, sharded, lambda i: build(name=part_name(name, i), **dict(
           kw, params=sharded.parts[i]))[0])
