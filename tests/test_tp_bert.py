@@ -2,8 +2,8 @@
 modeling.py's attention on a 2-D ``[batch*seq, hidden]`` matrix with separate query, key and
 value dense layers and an additive mask, ``tf.slice`` of the position table, the optimizer's
 hand-written ``AdamWeightDecayOptimizer`` whose slots are ``tf.get_variable(param_name +
-"/adam_m")``): it trains the local model with no gather in the step, each slot is split like its
-weight, on the weight's device, and a TP 2 checkpoint restores into the local script and into
+"/adam_m")``): at TP 2 and DP 2 x PP 2 x TP 2 it trains the local model with no gather in the
+step, each slot is split like its weight, on the weight's device, and a TP 2 checkpoint restores into the local script and into
 TP 4 with every weight and slot equal."""
 import contextlib
 
@@ -15,7 +15,7 @@ import epl
 from tests import split_models as sm
 from tests.real_scripts import bert_like as bl
 
-ROWS, STEPS = 4, 3
+ROWS, STEPS = 8, 3
 KEYS = ("input_ids", "input_mask", "segment_ids", "label_ids")
 
 
@@ -42,9 +42,9 @@ def _local():
 
 LAYOUTS = {
     "TP 2": (lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 2}),
-    "PP 2 x TP 2, 2 micro-batches": (lambda i: epl.split(2, name="stage%d" % i),
-                                     {"cluster.devices_per_worker": 4,
-                                      "pipeline.num_micro_batch": 2}),
+    "DP 2 x PP 2 x TP 2, 4 micro-batches": (lambda i: epl.split(2, name="stage%d" % i),
+                                            {"cluster.devices_per_worker": 8,
+                                             "pipeline.num_micro_batch": 4}),
 }
 
 

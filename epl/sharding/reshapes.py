@@ -31,8 +31,9 @@ def _folded(t):
 
 def _last_dim(scope, shape):
   """The static last entry of a shape tensor, or None. Knows TF's "flatten the outer
-  dimensions" idioms: concat([[-1], slice(tf.shape(x), [rank - 1], [1])]) and
-  stack([-1, tf.shape(x)[rank - 1]])."""
+  dimensions" idioms: concat([[-1], slice(tf.shape(x), [rank - 1], [1])]),
+  stack([-1, tf.shape(x)[rank - 1]]) and tensordot's (tf.layers.dense on a rank-3 input)
+  stack([.., reduce_prod(gather(tf.shape(x), [rank - 1]))])."""
   value = tf.get_static_value(shape, partial=True)
   if value is not None and len(value) and value[-1] is not None:
     return int(value[-1])
@@ -42,6 +43,15 @@ def _last_dim(scope, shape):
   value = tf.get_static_value(last, partial=True)
   if value is not None and np.ndim(value) and len(value) and value[-1] is not None:
     return int(value[-1])
+  if last.op.type == "Prod" and last.op.inputs[0].op.type == "GatherV2":
+    gathered = last.op.inputs[0].op
+    of = scope.recorder.sharded_shapes.get(gathered.inputs[0])
+    index = _folded(gathered.inputs[1])
+    rank = of.parts[0].shape.rank if of is not None else None
+    if rank and index is not None and [int(i) % rank for i in np.ravel(index)] == [
+        rank - 1] and of.axis == rank - 1:
+      return of.total
+    return None
   of = scope.recorder.sharded_shapes.get(last.op.inputs[0]) if last.op.type in (
       "Slice", "StridedSlice") else None
   begin = _folded(last.op.inputs[1]) if of is not None else None

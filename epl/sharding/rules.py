@@ -143,8 +143,27 @@ def elementwise(scope, op_type, build, kw, name):
   if whole is not None:              # x * g + b of a layer norm: its weights whole
     return build(name=name, **whole)
   split = [t for t in tensors(kw) if scope.lookup(t) is not None]
-  lead = next((t for t in split if t not in scope.recorder.variables), split[0])
-  first = scope.lookup(lead)
+  # the operands cut like the first split one that is not a variable (a variable's cut is
+  # still open); failing that, like another (a value cut otherwise that can still be remade
+  # takes that one's cut: a residual ``dense(x) + x``)
+  leads = sorted(split, key=lambda t: t in scope.recorder.variables)
+  for lead in leads:
+    first = scope.lookup(lead)
+    operands = _cut_like(scope, kw, first)
+    if operands is not None:
+      break
+  else:
+    return None
+  outs = per_part(scope, first, lambda i: build(name=part_name(name, i), **{
+      k: v[i] for k, v in operands.items()})[0])
+  rank = outs[0].shape.rank
+  remake = layout.replayer(elementwise, scope, op_type, build, kw, name,
+                           lambda t, axis: layout.from_end(t, axis, rank)) if rank else None
+  return [scope.register(outs, first.axis, first.sizes, name, first.shards, remake)]
+
+
+def _cut_like(scope, kw, first):
+  """{key: per-part operands} of ``kw`` cut like ``first``, or None."""
   operands = {}
   for key, value in kw.items():
     pieces = cut(scope, value, first)
@@ -155,12 +174,7 @@ def elementwise(scope, op_type, build, kw, name):
     if pieces is None:
       return None
     operands[key] = pieces
-  outs = per_part(scope, first, lambda i: build(name=part_name(name, i), **{
-      k: v[i] for k, v in operands.items()})[0])
-  rank = outs[0].shape.rank
-  remake = layout.replayer(elementwise, scope, op_type, build, kw, name,
-                           lambda t, axis: layout.from_end(t, axis, rank)) if rank else None
-  return [scope.register(outs, first.axis, first.sizes, name, first.shards, remake)]
+  return operands
 
 
 def shape_of(scope, op_type, build, kw, name):
@@ -239,11 +253,12 @@ def _einsum_operand(scope, tensor, spec, letter, sharded):
       cuts = []
       for s, t in zip(specs, made.inputs):
         if out_letter in s:
-          cuts.append(slices(scope, t, s.index(out_letter), sharded.sizes))
+          cuts.append(slices(scope, t, s.index(out_letter), sharded.sizes,
+                             sharded.shard_of))
         else:
           cuts.append([t] * len(sharded.parts))
       return per_part(scope, sharded, lambda i: tf.einsum(equation, *[c[i] for c in cuts]))
-  return slices(scope, tensor, axis, sharded.sizes)
+  return slices(scope, tensor, axis, sharded.sizes, sharded.shard_of)
 
 
 def einsum(scope, op_type, build, kw, name):

@@ -7,7 +7,8 @@ table and epl.sharding.layout for how a weight's cut follows from its use):
   products are summed: one all-reduce). ``transpose_b`` (tied logits ``h @ wte^T``) takes the
   weight's rows as the output's columns.
 * BatchMatMul (attention's ``q @ k^T`` and ``w @ v``): per part when both operands are split
-  along the same batch axis (the heads).
+  along the same batch axis (the heads); split along a matrix axis (heads folded into the batch
+  axis, each head's features split), per part, summed over the contraction axis.
 * Transpose: per part, the split axis moves with the permutation.
 * Split: a fused projection (Q, K, V side by side) is cut in groups so that every piece is
   split over the parts (epl.sharding.layout); a split along another axis runs per part.
@@ -58,14 +59,49 @@ def batch_matmul(scope, op_type, build, kw, name):
   lead = scope.lookup(x) or scope.lookup(y)
   rank = max(x.shape.rank or 0, y.shape.rank or 0)
   axis = layout.from_end(lead.parts[0], lead.axis, rank) if lead else None
-  if lead is None or axis >= rank - 2 or x.shape.rank != rank or y.shape.rank != rank:
+  if lead is None or x.shape.rank != rank or y.shape.rank != rank:
     return None
+  if axis >= rank - 2:
+    return _matrix_axes(scope, build, kw, name, rank)
   operands = [_batch_operand(scope, t, axis, lead) for t in (x, y)]
   if any(o is None for o in operands):
     return None
   outs = per_part(scope, lead, lambda i: build(name=part_name(name, i), **dict(
       kw, x=operands[0][i], y=operands[1][i]))[0])
   return [scope.register(outs, axis, lead.sizes, name, lead.shards)]
+
+
+def _matrix_axes(scope, build, kw, name, rank):
+  """A batched matmul split along a matrix axis (heads folded into the batch axis, each head's
+  features split: ``Q_ @ K_^T`` and ``P @ V_``): split along the contraction axis, each part's
+  product, summed (one all-reduce); along a row or column axis of one operand (the other
+  whole), per part, the output split along it."""
+  x, y = kw["x"], kw["y"]
+  sx, sy = scope.lookup(x), scope.lookup(y)
+  contract_x = rank - 2 if kw.get("adj_x") else rank - 1
+  contract_y = rank - 1 if kw.get("adj_y") else rank - 2
+  if (sx is not None and sx.axis == contract_x) or (sx is None and sy.axis == contract_y):
+    lead = sx or sy
+    other = layout.align(scope, y, contract_y, lead) if sx is not None else \
+        layout.align(scope, x, contract_x, lead)
+    if other is None:
+      return None
+    xs, ys = (lead.parts, other) if sx is not None else (other, lead.parts)
+    outs = per_part(scope, lead, lambda i: build(name=part_name(name, i), **dict(
+        kw, x=xs[i], y=ys[i]))[0])
+    total = tf.add_n(outs, name=name)
+    scope.recorder.reductions.append((scope.taskgraph, "forward", total.op.name))
+    return [total]
+  if sx is not None and sy is None and sx.axis == 2 * rank - 3 - contract_x:    # x's rows
+    out_axis, lead, key = rank - 2, sx, "x"
+  elif sy is not None and sx is None and sy.axis == 2 * rank - 3 - contract_y:  # y's columns
+    out_axis, lead, key = rank - 1, sy, "y"
+  else:
+    return None
+  outs = per_part(scope, lead, lambda i: build(name=part_name(name, i), **dict(
+      kw, **{key: lead.parts[i]}))[0])
+  scope.recorder.reductions.append((scope.taskgraph, "backward", outs[0].op.name))
+  return [scope.register(outs, out_axis, lead.sizes, name, lead.shards)]
 
 
 def _batch_operand(scope, tensor, axis, lead):
