@@ -65,6 +65,14 @@ CASES = {
     "top_k over the split axis": lambda z, y: _reduce(tf.nn.top_k(z, 3).values) + 1e-3 * \
         tf.reduce_sum(tf.cast(tf.nn.top_k(z + 1.0, 4).indices, tf.float32)),
     "l2_loss": lambda z, y: tf.nn.l2_loss(z) + _reduce(z),
+    "argument forms of TF1 code (tensors, Dimensions and ints mixed, negative axes)": (
+        lambda z, y: 0.2 * (tf.reduce_sum(tf.slice(z, [tf.constant(1), 0], [
+            tf.shape(z)[0] - 1, -1]) * _weights([CLASSES], 4)) + _reduce(tf.reshape(
+                z, [tf.shape(z)[0], z.shape[1]]), 5) + _reduce(tf.concat(
+                    [z, z], axis=tf.constant(-2)), 6) + _reduce(tf.expand_dims(
+                        z, np.int64(-1)), 7))),
+    "dropout (a seeded mask of the whole shape, sliced)": lambda z, y: _reduce(
+        tf.nn.dropout(z, rate=0.5, seed=3)),
     "reshape to heads of rank 4 and back to rank 2 (BERT)": lambda z, y: _reduce(tf.reshape(
         tf.transpose(tf.reshape(z, [-1, 1, 2, CLASSES // 2]), [0, 2, 1, 3]) * 2.0,
         [-1, CLASSES])),
@@ -152,3 +160,28 @@ def test_the_strict_key_refuses_a_gather_in_the_step_naming_the_op_and_where():
       in message and "no split rule for Cumsum" in message, message
   assert "unused_cumsum" not in message, message          # outside the step: allowed
   assert 'set split.gather_fallback to "allow"' in message, message
+
+
+def test_a_rule_that_fails_gives_way_to_the_gather_and_says_why(monkeypatch):
+  """A rule never ends the job: one that raises on arguments it was not written for runs the
+  op on the gathered value, the reason in the plan."""
+  from epl.sharding import rules
+
+  def broken(scope, op_type, build, kw, name):
+    raise RuntimeError("not written for this")
+  monkeypatch.setitem(rules.RULES, "Tanh", broken)
+  rng = np.random.RandomState(0)
+  data = (rng.randn(2 * ROWS, 5).astype(np.float32), rng.randint(0, CLASSES, 2 * ROWS))
+  fn = lambda z, y: _reduce(tf.tanh(z))
+  local = sm.train(lambda: _build(fn, *sm.local_scopes()), data, 2, ROWS)
+  trunk, head = sm.scopes(2, 2)
+  run = sm.train(lambda: _build(fn, trunk, head), data, 2, ROWS,
+                 config=epl.Config({"cluster.devices_per_worker": 2,
+                                    "cluster.colocate_split_and_replicate": True}),
+                 initial=local.initial)
+  (gather,) = run.parallel.plan.gathers
+  assert gather.op_type == "Tanh" and gather.in_step and gather.reason == (
+      "the Tanh rule failed on these arguments (RuntimeError: not written for this)"), gather
+  for name, value in local.variables.items():
+    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-5,
+                               err_msg=name)

@@ -2,7 +2,7 @@
 modeling.py's attention on a 2-D ``[batch*seq, hidden]`` matrix with separate query, key and
 value dense layers and an additive mask, ``tf.slice`` of the position table, the optimizer's
 hand-written ``AdamWeightDecayOptimizer`` whose slots are ``tf.get_variable(param_name +
-"/adam_m")``): at TP 2 and DP 2 x PP 2 x TP 2 it trains the local model with no gather in the
+"/adam_m")``): at TP 2, TP 2 x DP 2 and DP 2 x PP 2 x TP 2 it trains the local model with no gather in the
 step, each slot is split like its weight, on the weight's device, and a TP 2 checkpoint restores into the local script and into
 TP 4 with every weight and slot equal."""
 import contextlib
@@ -42,6 +42,7 @@ def _local():
 
 LAYOUTS = {
     "TP 2": (lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 2}),
+    "TP 2 x DP 2": (lambda i: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4}),
     "DP 2 x PP 2 x TP 2, 4 micro-batches": (lambda i: epl.split(2, name="stage%d" % i),
                                             {"cluster.devices_per_worker": 8,
                                              "pipeline.num_micro_batch": 4}),

@@ -1,7 +1,7 @@
 """Tensor parallelism on the widely copied TF1 Transformer (tests/real_scripts/heads_in_batch.py:
 Kyubyong's modules.py and model.py, the heads folded into the batch axis with
-``tf.concat(tf.split(Q, h, axis=2), axis=0)``, encoder and decoder each in a split scope): TP 2
-and DP 2 x PP 2 x TP 2 with 4 micro-batches train the local model with no gather in the step.
+``tf.concat(tf.split(Q, h, axis=2), axis=0)``, encoder and decoder each in a split scope): TP 2,
+TP 2 x DP 2 and DP 2 x PP 2 x TP 2 with 4 micro-batches train the local model with no gather in the step.
 
 Each head's features are cut over the parts (Q, K and V by columns, in h groups), so
 ``Q_ @ K_^T`` is summed over the parts (one all-reduce per attention); the rest runs per part."""
@@ -20,6 +20,8 @@ NOISE_ONLY = ("multihead_attention/dense_1/bias", "self_attention/dense_1/bias",
 
 LAYOUTS = {
     "TP 2": (lambda name: epl.split(2, name="tp"), {"cluster.devices_per_worker": 2}, True),
+    "TP 2 x DP 2": (lambda name: epl.split(2, name="tp"), {"cluster.devices_per_worker": 4},
+                    False),
     # no padding: the loss is a mean over the batch's tokens, and micro-batches with other
     # token counts average to another number (data parallelism's, not epl's)
     "DP 2 x PP 2 x TP 2, 4 micro-batches": (lambda name: epl.split(2, name=name), {
