@@ -106,3 +106,16 @@ def test_a_tp_checkpoint_with_a_hand_written_optimizers_slots_restores_anywhere(
     assert sorted(restored) == sorted(saved)
     for name, value in saved.items():
       np.testing.assert_allclose(restored[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_a_fixed_batch_entering_a_split_stage_from_several_copies_is_one_clear_error():
+  """run_classifier's placeholders fix the batch ([batch_size, seq]) and modeling.py builds
+  its masks with that size: a split stage fed by 2 replicated copies would read their rows
+  concatenated -- refused before training, naming the tensor and the fix."""
+  stage = lambda i: epl.replicate(2, name="s0") if i == 0 else epl.split(2, name="s1")
+  with pytest.raises(epl.errors.PlanError, match=r"batch rows fixed at %d\) of TaskGraph "
+                     r"'s0' is read by .* which runs once for 2 copies of 's0' and reads their "
+                     r"rows concatenated \(%d rows\).*\[None, \.\.\.\]" % (ROWS, 2 * ROWS)):
+    sm.train(lambda: _build(stage), _data(), 1, ROWS,
+             config=epl.Config({"cluster.devices_per_worker": 2,
+                                "cluster.colocate_split_and_replicate": True}))

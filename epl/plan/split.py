@@ -213,11 +213,30 @@ def crossings(ops, owner, phase, kinds, specs, placements, exchange_axes):
           bridge(placements[src], placements[dst], layout).forward
       gather = kinds[dst] == "split" or (
           kinds[src] == "replicate" and placements[dst].devices < placements[src].devices)
+      major = axis is not None or batch_major(t, inputs, within)
+      if gather and major and not backward and axis is None:
+        _refuse_fixed_rows(t, op, specs[src].name, specs[dst].name,
+                           placements[src].devices if kinds[dst] == "split" else
+                           placements[src].devices // max(1, placements[dst].devices))
       out.append(Crossing(tensor=t.name, consumer=op.name, source=src, destination=dst,
                           gather=gather,
-                          batch_major=axis is not None or batch_major(t, inputs, within),
+                          batch_major=major,
                           backward=backward, axis=axis or 0, collective=carrier))
   return tuple(out)
+
+
+def _refuse_fixed_rows(tensor, consumer, source, destination, copies):
+  """A batch that enters a TaskGraph from ``copies`` > 1 copies arrives as their rows
+  concatenated: an op built for one copy's static batch size cannot read it."""
+  rows = tensor.shape.dims[0].value if tensor.shape.rank else None
+  if copies > 1 and rows is not None:
+    raise PlanError(
+        "%r (batch rows fixed at %d) of TaskGraph %r is read by %r of TaskGraph %r, which runs "
+        "once for %d copies of %r and reads their rows concatenated (%d rows): an op built for "
+        "%d rows cannot take them. Build the model from placeholders or an iterator with an "
+        "unknown batch dimension ([None, ...]) and shapes taken from tf.shape, or give %r as "
+        "few devices as %r" % (tensor.name, rows, source, consumer.name, destination, copies,
+                               source, copies * rows, rows, source, destination))
 
 
 def move_inputs_to_copies(ops, owner, kinds, counts):
