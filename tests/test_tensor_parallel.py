@@ -73,10 +73,10 @@ FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32
 
 # TP 2, TP 4, TP 2 x DP 2 and DP 2 x PP 2 x TP 2 with 4 micro-batches (cuts, all-reduce counts,
 # what each device holds): tests/test_tp_published.py, on GPT-2 as published
+# ZeRO v1 + gradient checkpointing in fp32 on the same layout: tests/test_ordering.py (GPT-2's
+# trainer, under the race amplifier)
 @pytest.mark.parametrize("layout,stage,config,rtol", [
-    ("DP 2 x PP 2 x TP 2, 4 micro-batches, ZeRO v1 + gradient checkpointing", _tp_stages,
-     dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto"}), 1e-5),
-    ("the same + AMP O1", _tp_stages,
+    ("DP 2 x PP 2 x TP 2, 4 micro-batches, ZeRO v1, gradient checkpointing, AMP O1", _tp_stages,
      dict(RECIPE, **{"zero.level": "v1", "gradient_checkpoint.type": "auto",
                      "amp.level": "O1"}), FP16_RTOL),
 ])
@@ -101,8 +101,8 @@ def test_the_3d_recipe_on_one_worker_trains_the_local_model(tmp_path, layout, st
                                                              round((1.4 + 1.6) * 100))
 
 
+# (TP 2 x DP 2 across 2 workers is the stage-less case of the one below)
 @pytest.mark.parametrize("layout,devices,stages,config,rtol", [
-    ("TP 2 x DP 2 across 2 workers", 2, 1, {}, 1e-5),
     # ZeRO v1 across the workers: the learned positions' gradient is sparse (tf.gather), so
     # wpe stays unowned (its slots on every copy); every other variable has an owner
     ("DP 2 x PP 2 x TP 2, 4 micro-batches, ZeRO v1, checkpointing: 2 workers x 4", 4, 2,
