@@ -14,7 +14,7 @@ count, the first run (the session's graph set-up included), the steady step (med
 ``--steps``), and the two ways' ratios. Usage:
 
     python bench/stage_calls.py [--micro 16 64] [--layers 6] [--hidden 256] [--rows 4]
-                                [--noinline] [--grappler off]
+                                [--noinline] [--grappler off] [--devices 2]
 """
 import argparse
 import os
@@ -32,15 +32,19 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 tf.disable_v2_behavior()
 
 
-def _stage(x, weights):
+def _stage(x, weights, devices=1):
+  """The stage's loss; with ``devices`` > 1 its layers spread over that many virtual devices
+  (a body whose ops send tensors between devices)."""
   h = x
-  for w in weights:
-    h = tf.matmul(h, w)
-    h = 0.5 * h * (1.0 + tf.tanh(0.7978845608 * (h + 0.044715 * h * h * h)))
+  for i, w in enumerate(weights):
+    with tf.device("/device:CPU:%d" % (1 + i * devices // len(weights)) if devices > 1
+                   else None):
+      h = tf.matmul(h, w)
+      h = 0.5 * h * (1.0 + tf.tanh(0.7978845608 * (h + 0.044715 * h * h * h)))
   return tf.reduce_mean(tf.square(h))
 
 
-def _build(way, micro, layers, hidden, rows, noinline=False):
+def _build(way, micro, layers, hidden, rows, noinline=False, devices=1):
   graph = tf.Graph()
   with graph.as_default():
     tf.set_random_seed(0)
@@ -54,14 +58,14 @@ def _build(way, micro, layers, hidden, rows, noinline=False):
       @tf2.function(autograph=False,
                     experimental_attributes={"_noinline": True} if noinline else None)
       def forward_backward(x, *ws):
-        loss = _stage(x, list(ws))
-        return [loss] + tf.gradients(loss, list(ws))
+        loss = _stage(x, list(ws), devices)
+        return [loss] + tf.gradients(loss, list(ws), colocate_gradients_with_ops=True)
       results = [forward_backward(p, *values) for p in pieces]
     else:
       results = []
       for p in pieces:
-        loss = _stage(p, values)
-        results.append([loss] + tf.gradients(loss, values))
+        loss = _stage(p, values, devices)
+        results.append([loss] + tf.gradients(loss, values, colocate_gradients_with_ops=True))
     loss = tf.add_n([r[0] for r in results]) / micro
     grads = [tf.add_n([r[i + 1] for r in results]) / micro for i in range(layers)]
     train = tf.group(*[tf.assign_sub(w, 0.01 * g) for w, g in zip(weights, grads)])
@@ -69,12 +73,13 @@ def _build(way, micro, layers, hidden, rows, noinline=False):
   return graph, batch, loss, train, init
 
 
-def measure(way, micro, layers, hidden, rows, steps, noinline=False, grappler=True):
+def measure(way, micro, layers, hidden, rows, steps, noinline=False, grappler=True, devices=1):
   start = time.time()
-  graph, batch, loss, train, init = _build(way, micro, layers, hidden, rows, noinline)
+  graph, batch, loss, train, init = _build(way, micro, layers, hidden, rows, noinline, devices)
   built = time.time() - start
   feed = {batch: np.random.RandomState(0).randn(micro * rows, hidden).astype(np.float32)}
-  config = tf.ConfigProto(inter_op_parallelism_threads=2, intra_op_parallelism_threads=2)
+  config = tf.ConfigProto(inter_op_parallelism_threads=2, intra_op_parallelism_threads=2,
+                          device_count={"CPU": devices + 1})
   if not grappler:
     config.graph_options.rewrite_options.disable_meta_optimizer = True
   with tf.Session(graph=graph, config=config) as sess:
@@ -100,6 +105,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--noinline", action="store_true",
                  help="mark the function _noinline (Grappler's function optimizer skips it)")
+  p.add_argument("--devices", type=int, default=1,
+                 help="the stage's layers over this many virtual CPU devices (CPU:1..)")
   p.add_argument("--grappler", choices=("on", "off"), default="on",
                  help="off: the sessions run without Grappler's passes")
   args = p.parse_args(argv)
@@ -109,7 +116,8 @@ def main(argv=None):
   for micro in args.micro:
     for way in ("clones", "calls"):
       r = out[(way, micro)] = measure(way, micro, args.layers, args.hidden, args.rows,
-                                      args.steps, args.noinline, args.grappler == "on")
+                                      args.steps, args.noinline, args.grappler == "on",
+                                      args.devices)
       print("%-7s %5d %8d %9.2f %9.2f %9.4f %12.6f" % (way, micro, r["ops"], r["build"],
                                                        r["first"], r["step"], r["loss"]))
       sys.stdout.flush()
