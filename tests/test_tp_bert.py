@@ -6,6 +6,7 @@ hand-written ``AdamWeightDecayOptimizer`` whose slots are ``tf.get_variable(para
 step, each slot is split like its weight, on the weight's device, and a TP 2 checkpoint restores into the local script and into
 TP 4 with every weight and slot equal."""
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ def _local_stage(i):
   return contextlib.nullcontext()
 
 
+@functools.lru_cache(maxsize=None)
 def _local():
   return sm.train(lambda: _build(_local_stage), _data(), STEPS, ROWS, race_free=True,
                   eval_rows=ROWS)

@@ -5,6 +5,8 @@ TP 2 x DP 2 and DP 2 x PP 2 x TP 2 with 4 micro-batches train the local model wi
 
 Each head's features are cut over the parts (Q, K and V by columns, in h groups), so
 ``Q_ @ K_^T`` is summed over the parts (one all-reduce per attention); the rest runs per part."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -29,11 +31,16 @@ LAYOUTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _local(pad):
+  data = hb.make_data(ROWS * STEPS, pad=pad)
+  return data, sm.train(hb.build, data, STEPS, ROWS, race_free=True, eval_rows=ROWS)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_heads_folded_into_the_batch_train_the_local_model_with_no_gather(layout):
   stage, config, pad = LAYOUTS[layout]
-  data = hb.make_data(ROWS * STEPS, pad=pad)
-  local = sm.train(hb.build, data, STEPS, ROWS, race_free=True, eval_rows=ROWS)
+  data, local = _local(pad)
   run = sm.train(lambda: hb.build(stage), data, STEPS, ROWS, config=epl.Config(config),
                  initial=local.initial, eval_rows=ROWS)
   in_step = [g for g in run.parallel.plan.gathers if g.in_step]
