@@ -193,16 +193,25 @@ def test_memory_of_the_classifier_per_device_is_a_shard():
     assert dp.memory.held(d) == trunk_bytes + head_bytes, d
   # measured: the allocator's bytes after initialisation (a fresh process with TF's BFC
   # allocator, whose statistics are the sum over the virtual devices)
-  out = subprocess.run(
-      [sys.executable, os.path.join(os.path.dirname(__file__), "workers", "allocator_bytes.py"),
-       str(classes), str(devices)], capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2"))
-  assert out.returncode == 0, out.stderr[-3000:]
-  measured = json.loads(out.stdout.strip().splitlines()[-1])
-  # (ideal ratio 0.26; the allocator's count moves by ~0.5 MB from run to run)
+  # each layout in a process of its own (no session's leftovers in the other's count)
+  measured = {}
+  for layout in ("split", "data_parallel"):
+    out = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "workers",
+                                      "allocator_bytes.py"), str(classes), str(devices),
+         layout], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured.update(json.loads(out.stdout.strip().splitlines()[-1]))
+  # (ideal ratio 0.26.) TF's BFC allocator counts a chunk it did not split -- one under twice
+  # the request -- whole, and which chunks those are depends on the order the devices'
+  # initializers allocate in: the data-parallel count varied from 4.40 to 4.88 MB over fresh
+  # processes here and reached 5.35 MB in two CI runs (11-29, 12-02), the split one 1.14 to
+  # 1.25 MB. So the saving is bounded, not matched: at least 0.8 of the N-1 copies' bytes,
+  # at most 1.5 of them (a chunk counts at most twice its request)
   assert measured["split"] < 0.45 * measured["data_parallel"], measured
   saved = (devices - 1) * head_bytes            # the classifier's other N-1 copies
-  assert abs(measured["data_parallel"] - measured["split"] - saved) < 0.2 * saved, measured
+  assert 0.8 * saved < measured["data_parallel"] - measured["split"] < 1.5 * saved, measured
   split_peak = max(split.memory.peak(d) for d in split_devices)
   dp_peak = max(dp.memory.peak(d) for d in split_devices)
   assert 0 < split_peak < 0.5 * dp_peak, (str(split.memory), str(dp.memory))

@@ -5,7 +5,7 @@ BFC allocator; all virtual devices share it, so this is the sum over the devices
 JSON {"split": bytes, "data_parallel": bytes}: the allocator's growth when the variables and
 optimizer slots are initialised.
 
-usage: allocator_bytes.py CLASSES DEVICES
+usage: allocator_bytes.py CLASSES DEVICES [split|data_parallel ...]  (default: both, in order)
 """
 import json
 import os
@@ -39,5 +39,5 @@ def initialised_bytes(classes, devices, split):
 
 if __name__ == "__main__":
   classes, devices = int(sys.argv[1]), int(sys.argv[2])
-  print(json.dumps({"split": initialised_bytes(classes, devices, True),
-                    "data_parallel": initialised_bytes(classes, devices, False)}))
+  layouts = sys.argv[3:] or ["split", "data_parallel"]
+  print(json.dumps({k: initialised_bytes(classes, devices, k == "split") for k in layouts}))
