@@ -96,13 +96,14 @@ KEYS = {k.name: k for k in [
             "passes are skipped (the first step of a cloned graph compiles ~8x faster here); "
             "auto: off where the worker's graph holds several model copies or micro-batches",
        unannotated=ACTS),
-    _k("graph.micro_batches", "str", "auto", ("auto", "runs", "clones"),
-       help="how gradient accumulation (pipeline.num_micro_batch > 1 with one stage) runs its "
-            "micro-batches: runs -- one session run per micro-batch on one model copy per "
-            "device, the update in the last (the graph does not grow with them); clones -- "
-            "every micro-batch a clone of the model in one run; auto: runs where they apply "
-            "(one replicated stage, no zero.level or offload.level: a run keeps a "
-            "gradient-sized sum per copy), clones otherwise",
+    _k("graph.micro_batches", "str", "auto", ("auto", "runs", "functions", "clones"),
+       help="how micro-batches (pipeline.num_micro_batch > 1) are built: runs -- gradient "
+            "accumulation on one stage, one session run per micro-batch, the update in the "
+            "last; functions -- each stage's forward and backward one graph function, called "
+            "once per micro-batch in the schedule's order (the graph does not grow with "
+            "them); clones -- every micro-batch a clone of the model in one run; auto: runs "
+            "for one replicated stage without zero.level or offload.level, functions for a "
+            "pipeline where they apply, clones otherwise",
        unannotated=ACTS, requires="pipeline.num_micro_batch"),
     _k("optimizer.num_apply_group", "int", 1, minimum=1,
        help="run the optimizer update in this many sequential groups balanced by size",

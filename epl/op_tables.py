@@ -100,9 +100,15 @@ def mutates(op):
   """True for ops with side effects: stateful ones (but a resource variable's reads), and
   those writing through a ref input (``Assign``, ``ApplyMomentum``: TF does not mark them
   stateful)."""
-  if op.type in RESOURCE_READ_OPS:
+  if op.type in RESOURCE_READ_OPS or is_stage_call(op):
     return False
   return op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg)
+
+
+def is_stage_call(op):
+  """True for epl's call of a stage function (passes/stage_functions.py): its body reads the
+  weights it is handed and writes no variable."""
+  return op.type == "StatefulPartitionedCall" and "_epl_stage_call" in op.node_def.attr
 
 
 def variable_shape(op):

@@ -37,14 +37,16 @@ def parts_of(grad):
 
 
 
-def copy_tensor(clones, c, grad, m=0):
+def copy_tensor(clones, c, grad, m=0, original=False):
+  """``grad`` (a Tensor or IndexedSlices) in copy ``c`` and micro-batch ``m``; ``original``:
+  the copy's own ops' (not a stage function call's result)."""
+  get = clones.original if original else clones.tensor
   if isinstance(grad, tf.IndexedSlices):
     shape = grad.dense_shape
-    if shape is not None and clones.tensor(c, shape, m) is not None:
-      shape = clones.tensor(c, shape, m)
-    return tf.IndexedSlices(clones.tensor(c, grad.values, m), clones.tensor(c, grad.indices, m),
-                            shape)
-  return clones.tensor(c, grad, m)
+    if shape is not None and get(c, shape, m) is not None:
+      shape = get(c, shape, m)
+    return tf.IndexedSlices(get(c, grad.values, m), get(c, grad.indices, m), shape)
+  return get(c, grad, m)
 
 
 def readers_of(grad, update):
@@ -64,10 +66,18 @@ def accumulate(ctx, clones, weights, var_op, tg, grad, update, sums=None):
   if ctx.plan.stride(tg) > 1:
     weights = None          # a split (or narrower) TaskGraph sees several copies' rows at once
   per_copy, first = [], []
+  calls = clones.calls
   for c in copies:
     with tf.device(worker.device_of(c, tg, part)):
+      if calls is not None:       # stage functions: the backward bodies summed dense ones
+        first.append(copy_tensor(clones, c, grad, original=True))
+        if not isinstance(grad, tf.IndexedSlices):
+          total = calls.sums[(c, grad.name)]
+          per_copy.append(total / tf.cast(count, total.dtype) if mean else total)
+          continue
       parts = [copy_tensor(clones, c, grad, m) for m in range(count)]
-      first.append(parts[0])
+      if calls is None:
+        first.append(parts[0])
       if weights is not None:
         parts = [_scaled(p, weights, c * count + m) for m, p in enumerate(parts)]
       per_copy.append(_sum(parts, count if mean else 1))

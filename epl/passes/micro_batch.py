@@ -11,18 +11,31 @@ Singletons wait for every micro-batch. Returns ``MicroBatches``; gradient accumu
 by the gradient sync pass, the order of micro-batches by the schedule pass.
 """
 import dataclasses
-from typing import Dict, Mapping
+import logging
+from typing import Dict, Mapping, Optional
 
 import tensorflow.compat.v1 as tf
 
+from epl.errors import NotImplementedYetError
 from epl.passes.clone import Cloner, wait_for_clones
 from epl.op_tables import VARIABLE_OPS
 from epl.passes.replicate import device_function
+from epl.passes import stage_functions
+
+log = logging.getLogger("epl")
 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
   clones: Mapping[tuple, Dict[str, tf.Operation]]   # (copy, m >= 1) -> {original name: op}
+  calls: Optional[stage_functions.StageCalls] = None   # micro-batches as stage functions
+  fallback: str = ""                 # why stage functions were asked for and not built
+
+  def __str__(self):
+    if self.calls is not None:
+      return "MicroBatches(as %s)" % self.calls
+    return "MicroBatches(%d clones%s)" % (
+        len(self.clones), "; not stage functions: " + self.fallback if self.fallback else "")
 
 
 def compute_ops(analysis, phase):
@@ -31,12 +44,41 @@ def compute_ops(analysis, phase):
           if phase.get(op) != "apply" and op.type not in VARIABLE_OPS]
 
 
+def needed_for_gradients(ctx, compute):
+  """The compute ops the step's gradients depend on (in order). A forward op they do not
+  need -- a metric, predictions, a summary -- must not join an action: its schedule edge
+  would make every step run it (and demand its feeds)."""
+  get = ctx.graph.get_tensor_by_name
+  work = [get(n).op for g in ctx.plan.gradients for n in g.tensors if n]
+  members, needed = set(compute), set()
+  while work:
+    op = work.pop()
+    if op in needed or op not in members:
+      continue
+    needed.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return [op for op in compute if op in needed]
+
+
 def micro_batch(ctx):
   """Runs the pass; see the module docstring."""
   count = ctx.plan.num_micro_batch
   if count == 1:
     return MicroBatches({})
   analysis = ctx.result("analyze")
+  fallback = ""
+  if ctx.plan.stage_functions:
+    compute = compute_ops(analysis, ctx.phase)
+    built = stage_functions.build(ctx, compute, set(needed_for_gradients(ctx, compute)))
+    if not isinstance(built, str):
+      return MicroBatches(built.outside, built)
+    if ctx.plan.stage_functions == "required":
+      raise NotImplementedYetError(
+          "graph.micro_batches 'functions' cannot build this step: %s; use 'auto' (functions "
+          "where they apply, clones otherwise) or 'clones'" % built)
+    log.info("micro-batches as clones, not stage functions: %s", built)
+    fallback = built
   clones = ctx.clones()
   compute = compute_ops(analysis, ctx.phase)
   compute_set = set(compute)
@@ -63,4 +105,4 @@ def micro_batch(ctx):
           input_map[split.outputs[0]] = out[(c - j, m)][split.name].outputs[j]
       out[(c, m)] = cloner.clone("EPL_MB_%d_R_%d" % (m, c), input_map)
   wait_for_clones(analysis.singletons, list(out.values()), compute_set)
-  return MicroBatches(out)
+  return MicroBatches(out, fallback=fallback)

@@ -20,29 +20,12 @@ from typing import List, Mapping, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.micro_batch import compute_ops
+from epl.passes.micro_batch import compute_ops, needed_for_gradients
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   placed: Mapping[Tuple[int, int], List[Tuple[str, list]]]
-
-
-def _needed_for_gradients(ctx, compute):
-  """The compute ops the step's gradients depend on (in order). A forward op they do not
-  need -- a metric, predictions, a summary -- must not join an action: its schedule edge
-  would make every step run it (and demand its feeds)."""
-  get = ctx.graph.get_tensor_by_name
-  work = [get(n).op for g in ctx.plan.gradients for n in g.tensors if n]
-  members, needed = set(compute), set()
-  while work:
-    op = work.pop()
-    if op in needed or op not in members:
-      continue
-    needed.add(op)
-    work.extend(t.op for t in op.inputs)
-    work.extend(op.control_inputs)
-  return [op for op in compute if op in needed]
 
 
 def _downstream_of_switches(ops):
@@ -76,8 +59,15 @@ def schedule(ctx):
   plan = ctx.plan
   if plan.num_micro_batch == 1:
     return Schedule({})
+  micro = ctx.result("micro_batch")
+  if micro.calls is not None:     # stage functions: the calls are chained as they are made
+    placed = {}
+    for (c, s, action), call in micro.calls.calls.items():
+      placed.setdefault((c, s), []).append((action, [call]))
+    order = {(s, a): i for s, actions in enumerate(plan.schedule) for i, a in enumerate(actions)}
+    return Schedule({k: sorted(v, key=lambda x: order[(k[1], x[0])]) for k, v in placed.items()})
   clones = ctx.clones()
-  compute = _needed_for_gradients(ctx, compute_ops(ctx.result("analyze"), ctx.phase))
+  compute = needed_for_gradients(ctx, compute_ops(ctx.result("analyze"), ctx.phase))
   by_action = {}
   for op in compute:
     kind = "F" if ctx.phase.get(op) == "forward" else "B"

@@ -4,6 +4,7 @@ Nothing here edits the graph: the plan records, by name, what the passes will bu
 (``epl.plan.attribution`` says which TaskGraph and phase each op joins).
 """
 import dataclasses
+import logging
 
 import tensorflow.compat.v1 as tf
 
@@ -17,6 +18,8 @@ from epl.plan.placement import Replicate, Split
 from epl.plan.plan import (PHASES, Communication, Copy, Gradient, Memory, ParallelPlan,
                            TaskGraphPlan, ZeroLevel)
 from epl.plan.schedule import make_schedule
+
+log = logging.getLogger("epl")
 
 
 def communication(config):
@@ -107,6 +110,9 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
   if runs > 1:
     common.update(num_micro_batch=1, accumulate_runs=runs)
     micro = 1
+  functions = _stage_functions(config, placements, micro, crossings)
+  if functions:
+    common.update(stage_functions=functions)
   schedule = make_schedule(config.pipeline.strategy, len(tgs), micro)
   _refuse_sparse_zero(gradients, config, cluster)
   return ParallelPlan(
@@ -196,6 +202,34 @@ def _accumulate_runs(config, placements, micro, gradients):
         "graph.micro_batches 'runs' does not apply here: %s; use 'auto' (micro-batches as runs "
         "where they apply, clones otherwise) or 'clones'" % why)
   return 1
+
+
+def _stage_functions(config, placements, micro, crossings):
+  """graph.micro_batches "functions" (or "auto" on a pipeline): "required" / "auto" when the
+  plan has nothing stage functions do not build yet, else "" (clones); the rewrite may still
+  fall back ("auto") for what it finds in the graph (passes/stage_functions.py)."""
+  setting = config.graph.micro_batches
+  if micro == 1 or setting in ("clones", "runs"):
+    return ""
+  if setting == "auto" and len(placements) < 2:
+    return ""                       # one stage: accumulation as runs, or clones
+  why = None
+  if any(p.kind != REPLICATE for p in placements):
+    why = "a stage is split (epl.split: tensor parallelism)"
+  elif crossings:
+    why = "stages are replicated on different numbers of devices"
+  elif _shards(placements) > 1:
+    why = "a stage has device_count > 1 (its copies share a replica's rows)"
+  elif config.gradient_checkpoint.type:
+    why = "gradient_checkpoint.type is set"
+  if why is None:
+    return "required" if setting == "functions" else "auto"
+  if setting == "functions":
+    raise NotImplementedYetError(
+        "graph.micro_batches 'functions' is not built for this model yet: %s; use 'auto' "
+        "(functions where they apply, clones otherwise) or 'clones'" % why)
+  log.info("micro-batches as clones, not stage functions: %s", why)
+  return ""
 
 
 def _shards(placements):

@@ -195,6 +195,10 @@ class ParallelPlan:
   # gradient accumulation as session runs (graph.micro_batches): each user step is this many
   # runs of the graph's one copy per device, the update in the last; num_micro_batch is then 1
   accumulate_runs: int = 1
+  # graph.micro_batches "functions": each stage's forward and backward one graph function
+  # called once per micro-batch ("auto": where the rewrite finds nothing they cannot hold,
+  # else clones; "required": that is an error); "" -- clones
+  stage_functions: str = ""
   # testing.race_delay_ms: every read of a variable the step writes starts this late (the
   # race amplifier of the tests, passes/race_delay.py; 0: off)
   race_delay_ms: int = 0

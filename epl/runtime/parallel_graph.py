@@ -47,7 +47,7 @@ class ParallelGraph:
   def clones(self):
     micro = self.results.get("micro_batch")
     return Clones(self.replication.copies, micro.clones if micro else {},
-                  self.plan.num_micro_batch)
+                  self.plan.num_micro_batch, micro.calls if micro else None)
 
   def format(self):
     """A readable description: TaskGraphs, devices, op counts per phase, replicas."""
