@@ -167,7 +167,8 @@ def _without_ordering(monkeypatch):
 
 
 def test_verify_names_each_read_a_write_does_not_wait_for(monkeypatch):
-  config = {"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2, "zero.level": "v1"}
+  config = {"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2, "zero.level": "v1",
+            "graph.micro_batches": "clones"}
   graph, pg = _rewritten(_two_stages("tf.gradients"), config)
   assert verify(graph, pg.results["analyze"].train_ends) == []
   ordering = pg.results["writes_after_reads"]
@@ -189,7 +190,7 @@ def test_the_amplifier_turns_a_missing_edge_into_a_failure_every_time(monkeypatc
   if case == "zero":                 # #48: ZeRO, replicated stages, explicit tf.gradients
     build, feeds = _two_stages("tf.gradients"), _feeds(steps=1)
     config = {"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2,
-              "zero.level": "v1"}
+              "zero.level": "v1", "graph.micro_batches": "clones"}
     scopes = _stages
   else:                              # a 1:2 pipeline with Adam: copy 1's reads of copy 0's
     build, feeds = _two_stages("minimize", "adam"), _feeds(steps=2)   # beta powers
@@ -203,3 +204,22 @@ def test_the_amplifier_turns_a_missing_edge_into_a_failure_every_time(monkeypatc
   for _ in range(3):
     with pytest.raises(AssertionError, match="differs"):
       _same(local, build, amplified, feeds, scopes)
+
+
+def test_stage_functions_order_a_stages_reads_before_its_writes_by_construction(monkeypatch):
+  """#48's race as stage functions: a call hands on its results only when its whole body ran,
+  so every read of a stage's weights (the later micro-batch's input gradient of d2 too) is
+  done before the last call's sums exist -- before any write of them. verify() still names
+  the calls (they read the weights; it does not follow the data edges), and without the
+  ordering pass the amplified runs train the local model."""
+  build, feeds = _two_stages("tf.gradients"), _feeds(steps=1)
+  config = {"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2, "zero.level": "v1",
+            "graph.micro_batches": "functions"}
+  _without_ordering(monkeypatch)
+  graph, pg = _rewritten(build, config)
+  assert pg.results["micro_batch"].calls is not None
+  pairs = verify(graph, pg.results["analyze"].train_ends)
+  assert any(r.startswith("epl_stage_") and "d2/kernel" in w for r, w in pairs), pairs
+  local = _train(build, feeds=feeds)
+  for _ in range(2):
+    _same(local, build, dict(config, **{"testing.race_delay_ms": DELAY}), feeds)

@@ -99,8 +99,27 @@ def import_nodes(graph, graph_def, input_map, names, prefix):
     finally:
       c_api.TF_DeleteBuffer(buffer)
     _wrap_new_operations(graph)
+    _register_functions(graph, graph_def)
   return [graph._get_operation_by_name(  # pylint: disable=protected-access
       "%s/%s" % (unique, name)) for name in names]
+
+
+class _ImportedFunction:
+  """What ``Graph._functions`` holds for a FunctionDef the C++ import added (epl's stage
+  functions): a name, and no Python graph (``as_graph_def(add_shapes=True)`` skips it)."""
+
+  def __init__(self, name):
+    self.name = name
+
+
+def _register_functions(graph, graph_def):
+  """Python's view of the functions an import added to the C++ graph's library, as
+  ``Graph._add_function`` keeps it (a saver's ``export_meta_graph`` looks each one up)."""
+  # pylint: disable=protected-access
+  for fdef in graph_def.library.function:
+    graph._functions.setdefault(fdef.signature.name, _ImportedFunction(fdef.signature.name))
+  if graph_def.library.function and graph._graph_def_versions.min_consumer < 12:
+    graph._graph_def_versions.min_consumer = 12
 
 
 def _wrap_new_operations(graph):
