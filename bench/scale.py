@@ -3,7 +3,7 @@
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
                         [--bert-rows 32] [--bert-seq 128] [--bert-parts] [--local-bfc]
                         [--steps 5] [--grappler on|off|auto]
-                        [--micro-batches auto|runs|clones] [--json]
+                        [--micro-batches auto|runs|functions|clones] [--json]
 
 Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
 CPU devices): a GPT-style stack of L transformer blocks (hidden 256, 4 heads, sequence 32,
@@ -12,6 +12,10 @@ vocabulary 512, Adam), 8 rows per model copy per step. Layouts:
   dp8            epl, replicate(1) on 8 devices: 8 copies, 64 rows
   dp8_m4         the same with pipeline.num_micro_batch 4 (gradient accumulation), 64 rows
   pipe4_dp2_m8   4 pipeline stages x 2 replicas on 8 devices, 8 micro-batches, 16 rows
+  pipe4_m16      4 pipeline stages on 4 devices, 16 micro-batches of 2 rows (32 rows)
+  pipe4_m64      the same with 64 micro-batches (128 rows)
+  local_rN       the plain TF script with N rows (the pipelines' global batch: local_r32,
+                 local_r128; dp8_m4's: local_r64)
 ``--bert``: a BERT-base-sized encoder (12 x 768, 12 heads, sequence ``--bert-seq``: 128, BERT's
 own; ``--bert-rows`` rows per step: 32, 4 per micro-batch) local, and on 2 devices x 4
 micro-batches at the same global batch. ``--bert-parts`` adds where that step goes: the local
@@ -123,7 +127,9 @@ def child(spec):
   layout = spec["layout"]
   devices, micro, stages = {"local": (1, 1, 1), "dp8": (8, 1, 1), "dp8_m4": (8, 4, 1),
                             "pipe4_dp2_m8": (8, 8, 4), "dp2_m4": (2, 4, 1), "dp2": (2, 1, 1),
-                            "dp1_m4": (1, 4, 1), "local_m8": (1, 1, 1)}[layout]
+                            "dp1_m4": (1, 4, 1), "local_m8": (1, 1, 1),
+                            "pipe4_m16": (4, 16, 4), "pipe4_m64": (4, 64, 4)}.get(
+                                layout, (1, 1, 1))          # local_rN: the local script, N rows
   by_hand = 8 if layout == "local_m8" else 1
   copies = devices // stages
   epl, rewrite = None, {}
@@ -152,7 +158,8 @@ def child(spec):
   built = time.time()
   graph = tf.get_default_graph()
   user_ops = len(graph.get_operations())
-  rows = spec.get("rows") or ROWS * copies
+  rows = spec.get("rows") or (int(layout[7:]) if layout.startswith("local_r") else
+                              2 * micro if layout.startswith("pipe4_m") else ROWS * copies)
   rng = np.random.RandomState(0)
   feed = {tokens: rng.randint(0, VOCAB, [rows, SEQ]), labels: rng.randint(0, VOCAB, [rows, SEQ])}
   times = []
@@ -219,7 +226,8 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--grappler", default="auto", choices=["on", "off", "auto"],
                  help="epl's graph.grappler key for the epl layouts")
-  p.add_argument("--micro-batches", default="auto", choices=["auto", "runs", "clones"],
+  p.add_argument("--micro-batches", default="auto",
+                 choices=["auto", "runs", "functions", "clones"],
                  help="epl's graph.micro_batches key for the layouts with micro-batches")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
@@ -275,6 +283,7 @@ def main():
       line += "; steady %.2fx local at equal batch%s" % (
           r["steady"] / base["steady"], " (target <= 1.1)" if r["layout"] == "dp2_m4" else "")
     print(line)
+  _startup(ok)
   print("\nwhere the first step goes, seconds (init: the initializer's run, with epl's rewrite "
         "in it; step: the first training run):")
   for r in ok.values():
@@ -282,6 +291,35 @@ def main():
   _bert_parts(ok)
   if args.json:
     print(json.dumps(results))
+
+
+def _startup(ok):
+  """#50's start-up ratio: from the start of the graph build to the end of the first step
+  (imports excluded), less one steady step, over the local script's at the same global batch
+  (``local_rN`` with N the layout's rows, else ``local``); and the graph's ops at M = 64 over
+  M = 16."""
+  def startup(r):
+    p = r["phases"]
+    return p["build"] + p["init"] + p["step"] - r["steady"]
+  lines = []
+  for r in ok.values():
+    if r["layout"].startswith("local") or not r["name"].startswith("L"):
+      continue
+    base = ok.get("L%d local_r%d" % (r["layers"], r["rows"])) or ok.get("L%d local" % r["layers"])
+    if base is None:
+      continue
+    lines.append("%-28s build -> first step, less a steady step: %.1f s vs %.1f s local at %d "
+                 "rows: %.2fx (target <= 3 at M = 64 and dp8_m4)" % (
+                     r["name"], startup(r), startup(base), base["rows"],
+                     startup(r) / startup(base)))
+  for r in ok.values():
+    other = ok.get(r["name"].replace("pipe4_m64", "pipe4_m16"))
+    if r["layout"] == "pipe4_m64" and other is not None:
+      lines.append("%-28s graph ops at M = 64 / M = 16: %d / %d = %.2f (target <= 1.25)" % (
+          r["name"], r["ops"], other["ops"], r["ops"] / other["ops"]))
+  if lines:
+    print("\nstart-up and graph size (#50):")
+    print("\n".join(lines))
 
 
 def _bert_parts(ok):

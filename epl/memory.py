@@ -3,7 +3,9 @@
 All virtual CPU devices share one allocator, and TF reports only per-node peaks, so the peak
 of one device is rebuilt from a traced step: each node's output buffers are allocated when the
 node ends and freed when the last node reading them (on that device) ends; a buffer forwarded
-by several outputs (Identity) counts once. Variables live for the whole run: they are counted
+by several outputs (Identity) counts once. A stage function's call (graph.micro_batches
+"functions") counts as one node: its results from its end, its body's intermediates not at all
+(they are freed within the call, and the trace does not say which call a body node ran in). Variables live for the whole run: they are counted
 from the graph (their shape and device), outside the step.
 
 Example:
@@ -43,8 +45,10 @@ def step_peaks(run_metadata):
   output_partition_graphs=True)``.
   """
   consumers = collections.defaultdict(list)          # (node, slot) -> consumer node names
+  nodes = set()
   for graph_def in run_metadata.partition_graphs:
     for node in graph_def.node:
+      nodes.add(node.name)
       for name in node.input:
         if name.startswith("^"):
           continue
@@ -54,14 +58,16 @@ def step_peaks(run_metadata):
   for dev in run_metadata.step_stats.dev_stats:
     if "stream:" in dev.device or "memcpy" in dev.device:
       continue
-    ends = {n.node_name: n.all_start_micros + max(n.all_end_rel_micros, 0)
-            for n in dev.node_stats}
+    # the nodes of the step's graph: a function body's (a stage function's call) are traced
+    # too; its intermediates die with the call, its results are the call node's outputs
+    stats = [n for n in dev.node_stats if n.node_name in nodes]
+    ends = {n.node_name: n.all_start_micros + max(n.all_end_rel_micros, 0) for n in stats}
     # A buffer is an address from its allocation to its last reader. An output at an address
     # still in use is the same buffer (an op that forwarded its input in place); one at an
     # address whose buffer was already read for the last time is a new allocation that
     # reuses the address.
     outputs = []
-    for n in dev.node_stats:
+    for n in stats:
       end = ends[n.node_name]
       for out in n.output:
         alloc = out.tensor_description.allocation_description

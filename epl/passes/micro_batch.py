@@ -20,7 +20,7 @@ from epl.errors import NotImplementedYetError
 from epl.passes.clone import Cloner, wait_for_clones
 from epl.op_tables import VARIABLE_OPS
 from epl.passes.replicate import device_function
-from epl.passes import stage_functions
+from epl.passes.stage_functions import StageCalls, build as build_stage_functions
 
 log = logging.getLogger("epl")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("epl")
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
   clones: Mapping[tuple, Dict[str, tf.Operation]]   # (copy, m >= 1) -> {original name: op}
-  calls: Optional[stage_functions.StageCalls] = None   # micro-batches as stage functions
+  calls: Optional[StageCalls] = None   # micro-batches as stage functions
   fallback: str = ""                 # why stage functions were asked for and not built
 
   def __str__(self):
@@ -70,7 +70,7 @@ def micro_batch(ctx):
   fallback = ""
   if ctx.plan.stage_functions:
     compute = compute_ops(analysis, ctx.phase)
-    built = stage_functions.build(ctx, compute, set(needed_for_gradients(ctx, compute)))
+    built = build_stage_functions(ctx, compute, set(needed_for_gradients(ctx, compute)))
     if not isinstance(built, str):
       return MicroBatches(built.outside, built)
     if ctx.plan.stage_functions == "required":

@@ -32,274 +32,66 @@ that writes a variable, a cycle between calls, a gradient computed outside the b
 """
 import dataclasses
 import functools
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Tuple
 
 import tensorflow.compat.v1 as tf
-from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 
 from epl import _tf_compat as compat
-from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, READ_OPS, VARIABLE_OPS,
-                           mutates)
-from epl.passes.clone import Cloner, _prefix_free, _rename_for_clone
+from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
-
-CALL_ATTR = "_epl_stage_call"
-_STACK_OPS = ("Stack", "TensorArray")
-_FLOW_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge",
-                       "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
+from epl.passes.stage_bodies import Body, acyclic, call_node, config_proto, cut, soft_wait
 
 
 @dataclasses.dataclass(frozen=True)
 class StageCalls:
-  """What the pass built: the calls of every (copy, stage, action), the tensors each
+  """What the pass built: the call of every (copy, stage, action), the tensors each
   (copy, micro-batch) exports by the user's tensor name, the accumulated dense gradients
-  per (copy, gradient tensor name), the bodies' op names by (stage, kind)."""
+  per (copy, the user's gradient tensor name), the bodies' op names by (stage, kind), the
+  per-micro-batch clones of the ops outside the bodies (m >= 1)."""
   calls: Mapping[Tuple[int, int, str], tf.Operation]
   exported: Mapping[Tuple[int, int], Dict[str, tf.Tensor]]
   sums: Mapping[Tuple[int, str], tf.Tensor]
   bodies: Mapping[Tuple[int, str], Tuple[str, ...]]
-  outside: Mapping[Tuple[int, int], Dict[str, tf.Operation]]   # per-micro-batch clones (m>=1)
+  outside: Mapping[Tuple[int, int], Dict[str, tf.Operation]]
+  idle: Tuple[str, ...] = ()        # backward ops no gradient needs: not run per micro-batch
 
   def __str__(self):
     return "StageCalls(%d bodies, %d calls)" % (len(self.bodies), len(self.calls))
 
   @functools.cached_property
   def body_ops(self):
-    return frozenset(n for names in self.bodies.values() for n in names)
+    """The user's ops a training run runs only inside calls (or not at all: ``idle``)."""
+    return frozenset(n for names in self.bodies.values() for n in names) | set(self.idle)
 
 
-def _is_read(op):
-  return op.type in READ_OPS and op.inputs and op.inputs[0].op.type in VARIABLE_OPS
-
-
-def _is_source(op, sources):
-  return op.type in PLACEHOLDER_OPS or op.type in DATA_SOURCE_OPS or op in sources
-
-
-def _writes_variable(op):
-  return mutates(op) and any(t.op.type in VARIABLE_OPS or t.dtype._is_ref_dtype  # pylint: disable=protected-access
-                             for t in op.inputs)
-
-
-def cut(ctx, compute, needed):
-  """({op: (stage, kind)} of the body ops, [pre ops], [post ops]) or a reason (str) why
-  stage functions cannot hold this step. ``compute``: a copy's compute ops (originals);
-  ``needed``: those the gradients depend on."""
-  sources = set(ctx.result("analyze").sources)
-  body, pre, post = {}, [], []
-  for op in compute:
-    if op not in needed:
-      post.append(op)
-      continue
-    if _is_read(op):
-      continue
-    if _is_source(op, sources):
-      pre.append(op)
-      continue
-    if compat.in_control_flow(op) or op.type in _FLOW_OPS:
-      return "op %r (%s) is inside a v1 tf.cond / tf.while_loop of the step" % (op.name, op.type)
-    if op.type.startswith(_STACK_OPS):
-      return "op %r (%s) keeps per-step state a call cannot hand on" % (op.name, op.type)
-    if _writes_variable(op):
-      return "op %r (%s) writes a variable in the forward/backward" % (op.name, op.type)
-    kind = "F" if ctx.phase.get(op) == "forward" else "B"
-    body[op] = (ctx.owner[op], kind)
-  return body, pre, post
-
-
-def _output_refs(op):
-  """The FunctionDef names of ``op``'s outputs ("op:arg:k"), by output index."""
-  names = []
-  for arg in op.op_def.output_arg:
-    if arg.number_attr:
-      n = op.get_attr(arg.number_attr)
-    elif arg.type_list_attr:
-      n = len(op.get_attr(arg.type_list_attr))
-    else:
-      n = 1
-    names.extend("%s:%s:%d" % (op.name, arg.name, k) for k in range(n))
-  return names
-
-
-def _input(name):
-  if name.startswith("^"):
-    return name[1:], None
-  op_name, _, index = name.partition(":")
-  return op_name, int(index) if index else 0
-
-
-class Body:
-  """One (stage, kind)'s ops as a FunctionDef for one copy: its arguments (outside tensors,
-  then the running sums and the row weight), its results (exported tensors, then sums)."""
-
-  def __init__(self, key, ops, members, exported, grads, weighted):
-    self.key, self.ops = key, ops
-    self.members = members                        # every body's ops: {op: key}
-    names = {op.name for op in ops}
-    self.args, self.controls = [], []              # outside tensors read; outside ops waited
-    seen = set()
-    for op in ops:
-      for t in op.inputs:
-        if t.op.name not in names and t not in seen:
-          seen.add(t)
-          self.args.append(t)
-      for x in op.control_inputs:
-        if x.name not in names and x not in self.controls:
-          self.controls.append(x)
-    self.results = [t for op in ops for t in op.outputs if t in exported]
-    self.grads = [t for op in ops for t in op.outputs if t in grads]     # summed in the body
-    self.weighted = weighted                       # the row weight's dtype, or None
-
-  def function_def(self, name, nodes, device_fn, prefix, first):
-    """The FunctionDef ``name`` of this body for a copy (``device_fn``, seeds of
-    ``prefix``); ``first``: micro-batch 0's variant (no running sums in)."""
-    fdef = function_pb2.FunctionDef()
-    fdef.signature.name = name
-    fdef.attr["_noinline"].b = True
-    ref = {}
-    for i, t in enumerate(self.args):
-      arg = fdef.signature.input_arg.add(name="a%d" % i, type=t.dtype.base_dtype.as_datatype_enum)
-      del arg
-      ref[t.name] = "a%d" % i
-    sums_in = []
-    if not first:
-      for i, g in enumerate(self.grads):
-        fdef.signature.input_arg.add(name="s%d" % i, type=g.dtype.base_dtype.as_datatype_enum)
-        sums_in.append("s%d" % i)
-    if self.grads and self.weighted:
-      fdef.signature.input_arg.add(name="w", type=self.weighted.as_datatype_enum)
-    outs = {}
-    names = {op.name for op in self.ops}
-    for op in self.ops:
-      outs.update(zip((t.name for t in op.outputs), _output_refs(op)))
-    for op in self.ops:
-      node = fdef.node_def.add()
-      node.CopyFrom(nodes.get(op.name))
-      node.device = device_fn(op) or ""
-      if "_class" in node.attr:
-        del node.attr["_class"]
-      own = _prefix_free(node)
-      if own and prefix:
-        own.pop("frame_name", None)
-        own.pop("shared_name", None)
-        _rename_for_clone(node, own, prefix)
-      inputs = list(node.input)
-      del node.input[:]
-      for text in inputs:
-        src, index = _input(text)
-        if index is None:
-          if src in names:
-            node.input.append(text)
-          continue
-        key = "%s:%d" % (src, index)
-        node.input.append(outs[key] if src in names else ref[key])
-      if op.op_def.is_stateful:
-        fdef.signature.is_stateful = True
-    for i, t in enumerate(self.results):
-      fdef.signature.output_arg.add(name="r%d" % i, type=t.dtype.base_dtype.as_datatype_enum)
-      fdef.ret["r%d" % i] = outs[t.name]
-    for i, g in enumerate(self.grads):
-      value = outs[g.name]
-      dtype = g.dtype.base_dtype.as_datatype_enum
-      if self.weighted:
-        w = "w"
-        if g.dtype.base_dtype != self.weighted:
-          _node(fdef, "epl_w%d" % i, "Cast", ["w"], SrcT=self.weighted.as_datatype_enum,
-                DstT=dtype, Truncate=False)
-          w = "epl_w%d:y:0" % i
-        _node(fdef, "epl_weighted%d" % i, "Mul", [value, w], T=dtype)
-        value = "epl_weighted%d:z:0" % i
-      if not first:
-        _node(fdef, "epl_sum%d" % i, "AddV2", [sums_in[i], value], T=dtype)
-        value = "epl_sum%d:z:0" % i
-      fdef.signature.output_arg.add(name="g%d" % i, type=dtype)
-      fdef.ret["g%d" % i] = value
-    return fdef
-
-
-def _node(fdef, name, op, inputs, **attrs):
-  node = fdef.node_def.add(name=name, op=op)
-  node.input.extend(inputs)
-  for key, value in attrs.items():
-    if isinstance(value, bool):
-      node.attr[key].b = value
-    else:
-      node.attr[key].type = value
-  return node
-
-
-def _call_node(graph_def, name, fname, device, inputs, in_types, out_types, config):
-  node = graph_def.node.add(name=name, op="StatefulPartitionedCall", device=device)
-  node.input.extend(inputs)
-  node.attr["f"].func.name = fname
-  node.attr["Tin"].list.type.extend(in_types)
-  node.attr["Tout"].list.type.extend(out_types)
-  node.attr["config"].s = b""
-  node.attr["config_proto"].s = config
-  node.attr["executor_type"].s = b""
-  node.attr[CALL_ATTR].b = True
-  return node
-
-
-def _config_proto():
-  """A call's own session options: Grappler off inside bodies (epl's sessions run without
-  it on such graphs; a body would otherwise be rewritten on its first call)."""
-  config = tf.ConfigProto()
-  config.graph_options.rewrite_options.disable_meta_optimizer = True
-  return config.SerializeToString()
-
-
-def _ordered_bodies(keys, reads):
-  """The bodies in an order where each comes after those it reads (None on a cycle)."""
-  order, state = [], {}
-
-  def visit(k):
-    if state.get(k) == 2:
-      return True
-    if state.get(k) == 1:
-      return False
-    state[k] = 1
-    for d in reads[k]:
-      if not visit(d):
-        return False
-    state[k] = 2
-    order.append(k)
-    return True
-  for k in sorted(keys):
-    if not visit(k):
-      return None
-  return order
-
-
-def build(ctx, compute, needed):
-  """Builds the bodies and calls of every local copy; returns ``StageCalls``, or the reason
-  (a str) why this step cannot run as stage functions (nothing built then)."""
-  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
-  clones = ctx.clones()
-  found = cut(ctx, compute, needed)
-  if isinstance(found, str):
-    return found
-  member, pre, post = found
-  if not member:
-    return "the step has no forward/backward ops to run"
-  count = plan.num_micro_batch
-  get = graph.get_tensor_by_name
-  gradient_parts, dense = set(), set()
-  for g in plan.gradients:
-    parts = [get(n) for n in g.tensors if n]
-    gradient_parts.update(parts)
+def _gradients(ctx, member):
+  """(every tensor of the plan's gradients, the dense ones) or a reason (str): a dense
+  gradient is summed in the backward body that computes it."""
+  get = ctx.graph.get_tensor_by_name
+  parts, dense = set(), set()
+  for g in ctx.plan.gradients:
+    tensors = [get(n) for n in g.tensors if n]
+    parts.update(tensors)
     if len(g.tensors) != 3:
-      if parts[0].op not in member or member[parts[0].op][1] != "B":
+      if member.get(tensors[0].op, (None, None))[1] != "B":
         return "the gradient of %r is not computed by the backward ops (%s)" % (
-            g.variable, parts[0].op.name)
-      dense.add(parts[0])
+            g.variable, tensors[0].op.name)
+      dense.add(tensors[0])
+  return parts, dense
+
+
+def _exports(ctx, member, idle, parts, dense):
+  """(the body tensors a call returns, {body: bodies it reads}): what anything outside its
+  body reads -- another body, an update (not a dense gradient: summed), a metric -- and what
+  a run may fetch (computed float scalars of the forward, tensors in collections)."""
+  graph = ctx.graph
   update = {op for op, phase in ctx.phase.items() if phase == "apply"}
   fetchable = {t for key in graph.get_all_collection_keys()
                for t in graph.get_collection(key) if isinstance(t, tf.Tensor)}
   exported, reads = set(), {k: set() for k in set(member.values())}
   for op, key in member.items():
     for t in op.outputs:
-      if t in fetchable or (t in gradient_parts and t not in dense) or (
+      if t in fetchable or (t in parts and t not in dense) or (
           t.dtype.is_floating and t.shape.ndims == 0 and op.type != "Const" and key[1] == "F"):
         exported.add(t)
       for consumer in t.consumers():
@@ -309,12 +101,30 @@ def build(ctx, compute, needed):
         if other is not None:
           reads[other].add(key)
           exported.add(t)
-        elif not (t in gradient_parts and consumer in update):
+        elif consumer not in idle and not (t in parts and consumer in update):
           exported.add(t)
     for x in op.control_inputs:
-      if x in member and member[x] != key:
+      if x in member and member[x] != key and not soft_wait(op, x):
         reads[key].add(member[x])
-  if _ordered_bodies(reads, reads) is None:
+  return exported, reads
+
+
+def build(ctx, compute, needed):
+  """Builds the bodies and calls of every local copy; returns ``StageCalls``, or the reason
+  (a str) why this step cannot run as stage functions (then nothing was built)."""
+  graph, worker = ctx.graph, ctx.worker
+  found = cut(ctx, compute, needed)
+  if isinstance(found, str):
+    return found
+  member, pre, post, idle = found
+  if not member:
+    return "the step has no forward/backward ops to run"
+  grads = _gradients(ctx, member)
+  if isinstance(grads, str):
+    return grads
+  idle = set(idle)
+  exported, reads = _exports(ctx, member, idle, *grads)
+  if not acyclic(reads):
     return "the stages' forward/backward ops read each other in a cycle"
   weights = ctx.result("replicate").row_weights
   pieces = None
@@ -325,181 +135,184 @@ def build(ctx, compute, needed):
   ops_of = {}
   for op, key in member.items():
     ops_of.setdefault(key, []).append(op)
-  bodies = {key: Body(key, ops, member, exported, dense,
+  bodies = {key: Body(key, ops, exported, grads[1],
                       pieces[0].dtype.base_dtype if pieces else None)
             for key, ops in ops_of.items()}
-  pre_set = set(pre)
-  config = _config_proto()
-  base = graph.unique_name("epl_stage", mark_as_used=True)
+  # every copy's clones read the NodeDefs before any copy's outside ops are rewired to calls
+  copies = [_Copy(ctx, c, bodies, member, pre, post, pieces, idle)
+            for c in range(worker.num_copies)]
+  base, config = graph.unique_name("epl_stage", mark_as_used=True), config_proto()
   calls, exports, sums, outside = {}, {}, {}, {}
-  # the clones' NodeDefs are read before any copy's outside ops are rewired to calls
-  cloners = [(Cloner(graph, pre, device_function(ctx, c), ctx.nodes) if pre else None,
-              Cloner(graph, post, device_function(ctx, c), ctx.nodes) if post else None)
-             for c in range(worker.num_copies)]
-  for c in range(worker.num_copies):
-    built = _build_copy(ctx, c, clones, bodies, member, cloners[c], pre_set, count, pieces,
-                        config, "%s_c%d" % (base, c))
-    calls.update(built[0])
-    for m in range(count):
-      exports[(c, m)] = built[1][m]
+  for copy in copies:
+    copy.build("%s_c%d" % (base, copy.c), config)
+    calls.update(copy.calls)
+    for m in range(ctx.plan.num_micro_batch):
+      exports[(copy.c, m)] = copy.exports[m]
       if m:
-        outside[(c, m)] = built[3][m]
-    sums.update({(c, name): t for name, t in built[2].items()})
+        outside[(copy.c, m)] = dict(copy.pre_clones[m], **copy.post_clones[m])
+    sums.update({(copy.c, name): t for name, t in copy.sums.items()})
   return StageCalls(calls, exports, sums,
-                    {k: tuple(op.name for op in ops) for k, ops in ops_of.items()}, outside)
+                    {k: tuple(op.name for op in ops) for k, ops in ops_of.items()}, outside,
+                    tuple(op.name for op in idle if ctx.phase.get(op) != "forward"))
 
 
-def _build_copy(ctx, c, clones, bodies, member, cloners, pre_set, count, pieces, config,
-                base):
-  """Copy ``c``'s functions and calls, its per-micro-batch source and post clones; returns
-  ({(c, s, action): call}, [{tensor name: export}] per m, {gradient name: sum},
-  [{op name: outside clone}] per m)."""
-  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
-  device_fn = device_function(ctx, c)
+class _Copy:
+  """Copy ``c``'s functions and calls, and its per-micro-batch clones of the ops outside."""
 
-  def own(t):
-    if c == 0:
-      return t
-    x = clones.tensor(c, t)
+  def __init__(self, ctx, c, bodies, member, pre, post, pieces, idle):
+    self.ctx, self.c, self.bodies, self.member, self.pieces = ctx, c, bodies, member, pieces
+    self.count = ctx.plan.num_micro_batch
+    self.clones = ctx.clones()
+    self.idle = {self.own_op(op) for op in idle}
+    self.device_fn = device_function(ctx, c)
+    self.pre_set = set(pre)
+    self.cloners = [Cloner(ctx.graph, ops, self.device_fn, ctx.nodes) if ops else None
+                    for ops in (pre, post)]
+    self.pre_clones = [{} for _ in range(self.count)]
+    self.post_clones = [{} for _ in range(self.count)]
+    self.calls, self.exports, self.sums = {}, [{} for _ in range(self.count)], {}
+
+  def own(self, t):
+    """This copy's version of an outside tensor of the user's graph."""
+    x = t if self.c == 0 else self.clones.tensor(self.c, t)
     return t if x is None else x
 
-  def own_op(op):
-    if c == 0:
-      return op
-    x = clones.op(c, op)
+  def own_op(self, op):
+    x = op if self.c == 0 else self.clones.op(self.c, op)
     return op if x is None else x
 
-  pre_clones = [{} for _ in range(count)]
-  if cloners[0] is not None:
-    cloner = cloners[0]
-    for m in range(1, count):
-      pre_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, c),
-                                   {t: own(t) for t in cloner.imports.values()})
+  def outside_tensor(self, t, m):
+    if m and t.op in self.pre_set:
+      return self.pre_clones[m][t.op.name].outputs[t.value_index]
+    return self.own(t)
 
-  def outside_tensor(t, m):
-    if m and t.op in pre_set:
-      return pre_clones[m][t.op.name].outputs[t.value_index]
-    return own(t)
+  def outside_op(self, op, m):
+    return self.pre_clones[m][op.name] if m and op in self.pre_set else self.own_op(op)
 
-  def outside_op(op, m):
-    if m and op in pre_set:
-      return pre_clones[m][op.name]
-    return own_op(op)
+  def build(self, base, config):
+    cloner = self.cloners[0]
+    for m in range(1, self.count if cloner is not None else 1):
+      self.pre_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, self.c),
+                                        {t: self.own(t) for t in cloner.imports.values()})
+    graph_def, input_map, names, waits = self._graph_def(base, config)
+    with self.ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
+        tf.device(None):
+      made = dict(zip(names.values(), compat.import_nodes(self.ctx.graph, graph_def, input_map,
+                                                          list(names.values()), base)))
+    for name, ops in waits.items():
+      compat.add_control_inputs(made[name], list(dict.fromkeys(ops)))
+    for (s, kind, m), name in names.items():
+      call, body = made[name], self.bodies[(s, kind)]
+      self.calls[(self.c, s, "%s%d" % (kind, m))] = call
+      self.exports[m].update((t.name, call.outputs[i]) for i, t in enumerate(body.results))
+      if m == self.count - 1:
+        self.sums.update((g.name, call.outputs[len(body.results) + i])
+                         for i, g in enumerate(body.grads))
+    self._rewire_outside({(s, kind, m): made[n] for (s, kind, m), n in names.items()})
+    self._clone_post({(s, kind, m): made[n] for (s, kind, m), n in names.items()})
 
-  graph_def = tf.GraphDef()
-  graph_def.versions.CopyFrom(graph.graph_def_versions)
-  prefix = "" if c == 0 else "EPL_REPLICA_%d" % c
-  fnames = {}
-  for (s, kind), body in sorted(bodies.items()):
-    variants = (True, False) if kind == "B" and body.grads and count > 1 else (True,)
-    for first in variants:
-      name = "%s_s%d_%s%s" % (base, s, kind, "" if first else "_more")
-      graph_def.library.function.add().CopyFrom(
-          body.function_def(name, ctx.nodes, device_fn, prefix, first))
-      fnames[(s, kind, first)] = name
-  ext, input_map = {}, {}
-
-  def external(t):
-    if t not in ext:
-      ext[t] = "epl_ext_%d:0" % len(ext)
-      input_map[ext[t]] = t
-    return ext[t]
-
-  call_names, waits = {}, {}
-  for s, actions in enumerate(plan.schedule):
-    previous = None
-    for action in actions:
-      kind, m = action[0], int(action[1:])
-      body = bodies.get((s, kind))
-      if body is None:
-        continue
-      name = "s%d_%s" % (s, action)
-      call_names[(s, kind, m)] = name
-      first = m == 0 or len([1 for f in fnames if f[:2] == (s, kind)]) == 1
-      inputs, types = [], []
-      for t in body.args:
-        producer = member.get(t.op)
-        if producer is not None:
-          index = bodies[producer].results.index(t)
-          inputs.append("s%d_%s%d:%d" % (producer[0], producer[1], m, index))
-        else:
-          inputs.append(external(outside_tensor(t, m)))
-        types.append(t.dtype.base_dtype.as_datatype_enum)
-      if not first:
-        for i, g in enumerate(body.grads):
-          inputs.append("s%d_B%d:%d" % (s, m - 1, len(body.results) + i))
-          types.append(g.dtype.base_dtype.as_datatype_enum)
-      if body.grads and body.weighted:
-        inputs.append(external(pieces[c * count + m]))
-        types.append(body.weighted.as_datatype_enum)
-      controls = []
-      for x in body.controls:
-        producer = member.get(x)
-        if producer is not None:
-          controls.append("^s%d_%s%d" % (producer[0], producer[1], m))
-        else:
-          waits.setdefault(name, []).append(outside_op(x, m))
-      if previous is not None:
-        controls.append("^" + previous)
-      out_types = [t.dtype.base_dtype.as_datatype_enum for t in body.results] + \
-          [g.dtype.base_dtype.as_datatype_enum for g in body.grads]
-      _call_node(graph_def, name, fnames[(s, kind, first)], worker.device_of(c, s),
-                 inputs + controls, types, out_types, config)
-      previous = name
-  names = list(call_names.values())
-  with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
-      tf.device(None):
-    made = dict(zip(names, compat.import_nodes(graph, graph_def, input_map, names, base)))
-  for name, ops in waits.items():
-    compat.add_control_inputs(made[name], list(dict.fromkeys(ops)))
-  calls, exports, sums = {}, [{} for _ in range(count)], {}
-  for (s, kind, m), name in call_names.items():
-    call, body = made[name], bodies[(s, kind)]
-    calls[(c, s, "%s%d" % (kind, m))] = call
-    for i, t in enumerate(body.results):
-      exports[m][t.name] = call.outputs[i]
-    if m == count - 1:
-      for i, g in enumerate(body.grads):
-        sums[g.name] = call.outputs[len(body.results) + i]
-  body_here = {own_op(op): key for op, key in member.items()}
-  calls_of = {}
-  for (cc, s, action), call in calls.items():
-    calls_of.setdefault((s, action[0]), []).append(call)
-  # outside ops of micro-batch 0 (this copy's own) read the first calls' results
-  update = {own_op(op) for op, phase in ctx.phase.items() if phase == "apply"}
-  gradient_parts = {own(graph.get_tensor_by_name(n)) for g in plan.gradients
-                    for n in g.tensors if n}
-  for op, key in member.items():
-    for t in own_op(op).outputs:
-      for consumer in list(t.consumers()):
-        if consumer in body_here or consumer in made.values() or (
-            t in gradient_parts and consumer in update):
+  def _graph_def(self, base, config):
+    """The GraphDef to import: this copy's FunctionDefs and one call per action, chained in
+    the schedule's order. Returns (it, input map, {(s, kind, m): call name}, {call name:
+    outside ops it waits for})."""
+    graph_def = tf.GraphDef()
+    graph_def.versions.CopyFrom(self.ctx.graph.graph_def_versions)
+    prefix = "" if self.c == 0 else "EPL_REPLICA_%d" % self.c
+    fnames = {}
+    for (s, kind), body in sorted(self.bodies.items()):
+      for first in (True, False) if kind == "B" and body.grads else (True,):
+        fnames[(s, kind, first)] = "%s_s%d_%s%s" % (base, s, kind, "" if first else "_more")
+        graph_def.library.function.add().CopyFrom(body.function_def(
+            fnames[(s, kind, first)], self.ctx.nodes, self.device_fn, prefix, first))
+    self._input_map, self._ext = {}, {}
+    names, waits = {}, {}
+    for s, actions in enumerate(self.ctx.plan.schedule):
+      previous = None
+      for action in actions:
+        kind, m = action[0], int(action[1:])
+        body = self.bodies.get((s, kind))
+        if body is None:
           continue
-        replacement = exports[0][op.outputs[t.value_index].name]
-        for i, x in enumerate(consumer.inputs):
-          if x is t:
-            compat.update_input(consumer, i, replacement)
-  # outside ops that waited for a body op wait for its calls
-  for op in list(body_here):
-    for waiter in list(compat.control_outputs(op)):
-      if waiter in body_here:
-        continue
-      compat.replace_control_inputs(waiter, {op: None})
-      compat.add_control_inputs(waiter, calls_of.get(body_here[op], []))
-  post_clones = [{} for _ in range(count)]
-  if cloners[1] is not None:
-    cloner = cloners[1]
-    for m in range(1, count):
-      mapping = {}
-      for t in cloner.imports.values():
-        mapping[t] = exports[m][t.name] if t.op in member else outside_tensor(t, m)
-      post_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, c), mapping)
-      for clone in post_clones[m].values():
-        stale = [x for x in clone.control_inputs if x in member or x in body_here]
+        names[(s, kind, m)] = name = "s%d_%s" % (s, action)
+        first = m == 0 or (s, kind, False) not in fnames
+        inputs, controls = self._call_inputs(body, m, first, waits, name)
+        call_node(graph_def, name, fnames[(s, kind, first)], self.ctx.worker.device_of(self.c, s),
+                  inputs + controls + (["^" + previous] if previous else []),
+                  body.in_types(first), body.out_types(), config)
+        previous = name
+    return graph_def, self._input_map, names, waits
+
+  def _external(self, t):
+    if t not in self._ext:
+      self._ext[t] = "epl_ext_%d:0" % len(self._ext)
+      self._input_map[self._ext[t]] = t
+    return self._ext[t]
+
+  def _call_inputs(self, body, m, first, waits, name):
+    """(data inputs, control inputs) of micro-batch ``m``'s call of ``body``."""
+    inputs, controls = [], []
+    for t in body.args:
+      producer = self.member.get(t.op)
+      if producer is not None:
+        inputs.append("s%d_%s%d:%d" % (producer[0], producer[1], m,
+                                       self.bodies[producer].results.index(t)))
+      else:
+        inputs.append(self._external(self.outside_tensor(t, m)))
+    if not first:
+      s = body.key[0]
+      inputs.extend("s%d_B%d:%d" % (s, m - 1, len(body.results) + i)
+                    for i in range(len(body.grads)))
+    if body.grads and body.weighted:
+      inputs.append(self._external(self.pieces[self.c * self.count + m]))
+    for x in body.controls:
+      producer = self.member.get(x)
+      if producer is not None:
+        controls.append("^s%d_%s%d" % (producer[0], producer[1], m))
+      else:
+        waits.setdefault(name, []).append(self.outside_op(x, m))
+    return inputs, controls
+
+  def _rewire_outside(self, calls):
+    """This copy's own ops outside the bodies (micro-batch 0's metrics, an update reading a
+    forward value) read the first calls' results; what waited for a body op waits for its
+    calls. A dense gradient's updates are left to gradient_sync (it reads the sums)."""
+    plan, ctx = self.ctx.plan, self.ctx
+    update = {self.own_op(op) for op, phase in ctx.phase.items() if phase == "apply"}
+    parts = {self.own(ctx.graph.get_tensor_by_name(n)) for g in plan.gradients
+             for n in g.tensors if n}
+    here = {self.own_op(op): key for op, key in self.member.items()}
+    made = set(calls.values())
+    for op in self.member:
+      for t in self.own_op(op).outputs:
+        for consumer in list(t.consumers()):
+          if consumer in here or consumer in made or consumer in self.idle or (
+              t in parts and consumer in update):
+            continue
+          new = self.exports[0][op.outputs[t.value_index].name]
+          for i, x in enumerate(consumer.inputs):
+            if x is t:
+              compat.update_input(consumer, i, new)
+    for op, key in here.items():
+      for waiter in list(compat.control_outputs(op)):
+        if waiter not in here:
+          compat.replace_control_inputs(waiter, {op: None})
+          compat.add_control_inputs(waiter, [call for k, call in calls.items()
+                                             if k[:2] == key])
+
+  def _clone_post(self, calls):
+    """Micro-batches 1..M-1's clones of the forward ops the gradients do not need, reading
+    that micro-batch's call results and sources, and waiting for its calls."""
+    cloner = self.cloners[1]
+    if cloner is None:
+      return
+    here = {self.own_op(op): key for op, key in self.member.items()}
+    for m in range(1, self.count):
+      mapping = {t: self.exports[m][t.name] if t.op in self.member else
+                 self.outside_tensor(t, m) for t in cloner.imports.values()}
+      self.post_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, self.c), mapping)
+      for clone in self.post_clones[m].values():
+        stale = [x for x in clone.control_inputs if x in self.member or x in here]
         if stale:
           compat.replace_control_inputs(clone, {x: None for x in stale})
-          mine = [made[call_names[(member.get(x) or body_here[x])[0],
-                                  (member.get(x) or body_here[x])[1], m]] for x in stale]
-          compat.add_control_inputs(clone, mine)
-  outside = [dict(pre_clones[m], **post_clones[m]) for m in range(count)]
-  return calls, exports, sums, outside
+          compat.add_control_inputs(clone, [
+              calls[(self.member.get(x) or here[x]) + (m,)] for x in stale])

@@ -22,7 +22,8 @@ import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.collections_api import MERGE_KINDS
-from epl.op_tables import ASSIGN_OPS, RANDOM_OPS
+from epl.errors import PlanError
+from epl.op_tables import ASSIGN_OPS, RANDOM_OPS, is_stage_call
 
 
 class FetchMapper:
@@ -136,6 +137,16 @@ class FetchMapper:
     if kind is None:
       return fetch
     pieces = self._clones.every(t)
+    if self._clones.in_body(t.op) and any(p is None for p in pieces):
+      raise PlanError(
+          "a training run fetches %r, which epl computes inside stage %d's %s function "
+          "(graph.micro_batches: functions) and does not hand out of it: add it to a "
+          "collection before epl rewrites the graph (epl.add_to_collection(tensor, "
+          "epl.GraphKeys.GLOBAL_MEAN_OBJECTS), or any tf.add_to_collection), fetch it in a "
+          "run without the train op (evaluation runs the model's own ops), or set "
+          "graph.micro_batches 'clones'" % (t.name, self.parallel.plan.op_index[t.op.name][0],
+                                            "forward" if self.parallel.plan.op_index[
+                                                t.op.name][1] == "forward" else "backward"))
     weights = self._weights
     split_tg = self._split_taskgraph(t)
     if split_tg is not None:          # runs once per replica, in the replica's first copy
@@ -217,9 +228,10 @@ class FetchMapper:
       return False
     dim = t.shape.dims[0].value
     upstream, seen, work = set(), set(), [t.op]
-    while work:                # through the copy's ops and epl's bridges into split parts
+    while work:     # through the copy's ops, epl's bridges into split parts, stage calls
       op = work.pop()
-      if op in seen or (op not in self._cloned and not op.name.startswith("epl_bridge/")):
+      if op in seen or (op not in self._cloned and not op.name.startswith("epl_bridge/") and
+                        not is_stage_call(op)):
         continue
       seen.add(op)
       upstream.update(op.outputs)

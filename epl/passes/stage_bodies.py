@@ -1,0 +1,261 @@
+"""Stage functions' bodies (passes/stage_functions.py): which ops of a copy's step go into
+which (stage, F/B) body, and each body as a FunctionDef made from the user's NodeDefs.
+
+``cut`` says what stays outside: variables and their reads (handed to a call as arguments),
+data sources (``pre``: cloned per micro-batch), forward ops the gradients do not need
+(``post``: metrics, cloned per micro-batch, reading the calls' results); or why the step
+cannot run as calls (a reason, the caller falls back to clones).
+"""
+import tensorflow.compat.v1 as tf
+from tensorflow.core.framework import function_pb2
+
+from epl import _tf_compat as compat
+from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, READ_OPS, VARIABLE_OPS,
+                           mutates)
+from epl.passes.clone import _prefix_free, _rename_for_clone
+
+CALL_ATTR = "_epl_stage_call"
+_STACK_OPS = ("Stack", "TensorArray")
+_FLOW_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge",
+                       "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
+
+
+def _is_read(op):
+  return op.type in READ_OPS and op.inputs and op.inputs[0].op.type in VARIABLE_OPS
+
+
+def _is_source(op, sources):
+  return op.type in PLACEHOLDER_OPS or op.type in DATA_SOURCE_OPS or op in sources
+
+
+def _writes_variable(op):
+  return mutates(op) and any(t.op.type in VARIABLE_OPS or t.dtype._is_ref_dtype  # pylint: disable=protected-access
+                             for t in op.inputs)
+
+
+def _refused(op):
+  """Why ``op`` cannot run inside a call (None if it can)."""
+  if compat.in_control_flow(op) or op.type in _FLOW_OPS:
+    return "op %r (%s) is inside a v1 tf.cond / tf.while_loop of the step" % (op.name, op.type)
+  if op.type.startswith(_STACK_OPS):
+    return "op %r (%s) keeps per-step state a call cannot hand on" % (op.name, op.type)
+  if _writes_variable(op):
+    return "op %r (%s) writes a variable in the forward/backward" % (op.name, op.type)
+  return None
+
+
+def cut(ctx, compute, needed):
+  """({op: (stage, kind)} of the body ops, [pre ops], [post ops], [idle ops]) or a reason
+  (str) why stage functions cannot hold this step. ``compute``: a copy's compute ops
+  (originals); ``needed``: those the gradients depend on. ``post``: forward ops the gradients
+  do not need that read a micro-batch's values (cloned per micro-batch); ``idle``: the other
+  ops the gradients do not need (the backward's unused shapes and groupings, a second read
+  of a weight): they stay once, as the user's, and a training run never runs them."""
+  sources = set(ctx.result("analyze").sources)
+  body, pre, post, idle = {}, [], [], []
+  varies = set()
+  for op in compute:
+    if op not in needed:
+      per_micro = any(t.op in varies for t in op.inputs) or any(
+          x in varies for x in op.control_inputs) or _is_source(op, sources)
+      if per_micro and ctx.phase.get(op) == "forward":
+        post.append(op)
+        varies.add(op)
+      else:
+        idle.append(op)
+      continue
+    varies.add(op)
+    if _is_source(op, sources):
+      pre.append(op)
+    elif not _is_read(op):
+      why = _refused(op)
+      if why:
+        return why
+      body[op] = (ctx.owner[op], "F" if ctx.phase.get(op) == "forward" else "B")
+    else:
+      varies.discard(op)                      # a weight's read: the same in every micro-batch
+  return body, pre, post, idle
+
+
+def soft_wait(op, x):
+  """True for a wait of ``op`` on ``x`` that only groups gradients (``tf.gradients``' ``tuple``:
+  ``group_deps`` waits for every gradient of an op, each ``control_dependency`` for it).
+  Across two stages' bodies such a wait would make their calls wait for each other; the
+  gradients' data edges order them as the schedule needs, so it is left out there."""
+  return any(o.type == "NoOp" and o.name.endswith("tuple/group_deps") for o in (op, x))
+
+
+def _output_refs(op):
+  """The FunctionDef names of ``op``'s outputs ("op:arg:k"), by output index."""
+  names = []
+  for arg in op.op_def.output_arg:
+    if arg.number_attr:
+      n = op.get_attr(arg.number_attr)
+    elif arg.type_list_attr:
+      n = len(op.get_attr(arg.type_list_attr))
+    else:
+      n = 1
+    names.extend("%s:%s:%d" % (op.name, arg.name, k) for k in range(n))
+  return names
+
+
+def _input(name):
+  if name.startswith("^"):
+    return name[1:], None
+  op_name, _, index = name.partition(":")
+  return op_name, int(index) if index else 0
+
+
+def _enum(t):
+  return t.dtype.base_dtype.as_datatype_enum
+
+
+class Body:
+  """One (stage, kind)'s ops as a FunctionDef for one copy: its arguments (outside tensors,
+  then the running sums, then the row weight), its results (exported tensors, then sums).
+
+  ``weighted``: the row weight's dtype (None: the gradients are summed unweighted)."""
+
+  def __init__(self, key, ops, exported, grads, weighted):
+    self.key, self.ops = key, ops
+    self.names = {op.name for op in ops}
+    self.args, self.controls = [], []              # outside tensors read; outside ops waited
+    seen = set()
+    for op in ops:
+      for t in op.inputs:
+        if t.op.name not in self.names and t not in seen:
+          seen.add(t)
+          self.args.append(t)
+      for x in op.control_inputs:
+        if x.name not in self.names and x not in self.controls and not soft_wait(op, x):
+          self.controls.append(x)
+    self.results = [t for op in ops for t in op.outputs if t in exported]
+    self.grads = [t for op in ops for t in op.outputs if t in grads]     # summed in the body
+    self.weighted = weighted
+
+  def in_types(self, first):
+    return [_enum(t) for t in self.args] + ([] if first else [_enum(g) for g in self.grads]) \
+        + ([self.weighted.as_datatype_enum] if self.grads and self.weighted else [])
+
+  def out_types(self):
+    return [_enum(t) for t in self.results] + [_enum(g) for g in self.grads]
+
+  def function_def(self, name, nodes, device_fn, prefix, first):
+    """The FunctionDef ``name`` of this body for a copy (devices ``device_fn``, random
+    seeds of ``prefix``); ``first``: micro-batch 0's variant (no running sums in)."""
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = name
+    fdef.attr["_noinline"].b = True               # Grappler must not inline the calls back
+    ref = {}
+    for i, t in enumerate(self.args):
+      fdef.signature.input_arg.add(name="a%d" % i, type=_enum(t))
+      ref[t.name] = "a%d" % i
+    if not first:
+      for i, g in enumerate(self.grads):
+        fdef.signature.input_arg.add(name="s%d" % i, type=_enum(g))
+    if self.grads and self.weighted:
+      fdef.signature.input_arg.add(name="w", type=self.weighted.as_datatype_enum)
+    outs = {}
+    for op in self.ops:
+      outs.update(zip((t.name for t in op.outputs), _output_refs(op)))
+    for op in self.ops:
+      self._add_node(fdef, op, nodes.get(op.name), device_fn(op) or "", prefix, outs, ref)
+    for i, t in enumerate(self.results):
+      fdef.signature.output_arg.add(name="r%d" % i, type=_enum(t))
+      fdef.ret["r%d" % i] = outs[t.name]
+    self._add_sums(fdef, outs, first)
+    return fdef
+
+  def _add_node(self, fdef, op, node_def, device, prefix, outs, ref):
+    node = fdef.node_def.add()
+    node.CopyFrom(node_def)
+    node.device = device
+    if "_class" in node.attr:
+      del node.attr["_class"]                     # no colocation with ops outside the body
+    own = _prefix_free(node)
+    own.pop("frame_name", None)
+    own.pop("shared_name", None)
+    if own and prefix:
+      _rename_for_clone(node, own, prefix)        # a copy's own random seeds
+    inputs = list(node.input)
+    del node.input[:]
+    for text in inputs:
+      src, index = _input(text)
+      if index is None:
+        if src in self.names:
+          node.input.append(text)
+        continue                                  # an outside wait: the call waits instead
+      key = "%s:%d" % (src, index)
+      node.input.append(outs[key] if src in self.names else ref[key])
+    if op.op_def.is_stateful:
+      fdef.signature.is_stateful = True
+
+  def _add_sums(self, fdef, outs, first):
+    """Results ``g<i>``: sum (argument ``s<i>``, not in ``first``) + weight x gradient."""
+    for i, g in enumerate(self.grads):
+      value, dtype = outs[g.name], _enum(g)
+      if self.weighted:
+        w = "w"
+        if g.dtype.base_dtype != self.weighted:
+          _node(fdef, "epl_w%d" % i, "Cast", ["w"], SrcT=self.weighted.as_datatype_enum,
+                DstT=dtype, Truncate=False)
+          w = "epl_w%d:y:0" % i
+        _node(fdef, "epl_weighted%d" % i, "Mul", [value, w], T=dtype)
+        value = "epl_weighted%d:z:0" % i
+      if not first:
+        _node(fdef, "epl_sum%d" % i, "AddV2", ["s%d" % i, value], T=dtype)
+        value = "epl_sum%d:z:0" % i
+      fdef.signature.output_arg.add(name="g%d" % i, type=dtype)
+      fdef.ret["g%d" % i] = value
+
+
+def _node(fdef, name, op, inputs, **attrs):
+  node = fdef.node_def.add(name=name, op=op)
+  node.input.extend(inputs)
+  for key, value in attrs.items():
+    if isinstance(value, bool):
+      node.attr[key].b = value
+    else:
+      node.attr[key].type = value
+  return node
+
+
+def call_node(graph_def, name, fname, device, inputs, in_types, out_types, config):
+  """A ``StatefulPartitionedCall`` of ``fname`` (stateful: bodies hold random ops and
+  py_funcs, and CSE must not merge two micro-batches' calls), marked as epl's."""
+  node = graph_def.node.add(name=name, op="StatefulPartitionedCall", device=device)
+  node.input.extend(inputs)
+  node.attr["f"].func.name = fname
+  node.attr["Tin"].list.type.extend(in_types)
+  node.attr["Tout"].list.type.extend(out_types)
+  node.attr["config"].s = b""
+  node.attr["config_proto"].s = config
+  node.attr["executor_type"].s = b""
+  node.attr[CALL_ATTR].b = True
+  return node
+
+
+def config_proto():
+  """A call's own session options: Grappler off inside bodies (epl's sessions run without
+  it on such graphs; a body would otherwise be rewritten on its first call)."""
+  config = tf.ConfigProto()
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  return config.SerializeToString()
+
+
+def acyclic(reads):
+  """True if no body reads (data or waits), through others, a body that reads it
+  (``reads``: {key: keys it reads})."""
+  state = {}
+
+  def visit(k):
+    if state.get(k) == 2:
+      return True
+    if state.get(k) == 1:
+      return False
+    state[k] = 1
+    if not all(visit(d) for d in reads[k]):
+      return False
+    state[k] = 2
+    return True
+  return all(visit(k) for k in sorted(reads))

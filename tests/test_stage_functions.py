@@ -1,0 +1,200 @@
+"""#50: micro-batches as stage functions (passes/stage_functions.py) -- each stage's forward
+and backward one graph function, called once per action of the schedule.
+
+Parity with the local script at M = 16 and 64, 1F1B and GPipe, the step written three ways
+(``minimize``, ``compute_gradients``/``apply_gradients``, ``tf.gradients`` without a global
+step), ref and resource variables, the session opened first (tests/test_ordering.py's
+harness); the graph's size flat in M on the GPT-style stack of bench/scale.py; the in-flight
+bound of each schedule from epl.memory; what falls back to clones and what is refused.
+"""
+import logging
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from epl.errors import NotImplementedYetError, PlanError
+from tests.real_scripts import gpt2_lm
+from tests.test_ordering import STYLES, _same, _step, _train
+
+
+def _four_stages(style, optimizer="adam", resource=False, cond=False):
+  """4 stages of dense layers with GPT-2's layer norm; ``cond``: a v1 tf.cond in stage 1."""
+  def build(scope):
+    with tf.variable_scope("", use_resource=resource):
+      x = tf.placeholder(tf.float32, [None, 16], name="x")
+      y = tf.placeholder(tf.int64, [None], name="y")
+      h = x
+      for s in range(4):
+        with scope(s):
+          h = tf.layers.dense(gpt2_lm.norm(h, "ln%d" % s) if s else h, 16, tf.nn.relu,
+                              name="d%d" % s)
+          if cond and s == 1:
+            h = tf.cond(tf.reduce_sum(h) > -1e9, lambda: h * 2.0, lambda: h)
+      with scope(3):
+        loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10, name="out"))
+      return _step(loss, optimizer, style), loss, {"x": x, "y": y}
+  return build
+
+
+def _feeds(micro, steps=2, rows_per_micro=2, seed=0):
+  rng = np.random.RandomState(seed)
+  rows = micro * rows_per_micro
+  return [{"x": rng.randn(rows, 16).astype(np.float32), "y": rng.randint(0, 10, rows)}
+          for _ in range(steps)]
+
+
+def _stages(i):
+  return epl.replicate(1, name="stage%d" % i)
+
+
+def _config(micro, strategy="PreferBackward", mode="functions", devices=4, **more):
+  return dict({"cluster.devices_per_worker": devices, "pipeline.num_micro_batch": micro,
+               "pipeline.strategy": strategy, "graph.micro_batches": mode}, **more)
+
+
+def _calls(pg):
+  calls = pg.results["micro_batch"].calls
+  assert calls is not None, pg.results["micro_batch"]
+  return calls
+
+
+@pytest.mark.parametrize("micro", [16, 64])
+@pytest.mark.parametrize("strategy", ["PreferBackward", "PreferForward"])
+def test_parity_at_16_and_64_micro_batches_each_way_the_step_is_written(micro, strategy):
+  feeds = _feeds(micro)
+  for style in STYLES:
+    build = _four_stages(style)
+    pg = _same(_train(build, feeds=feeds), build, _config(micro, strategy), feeds)
+    calls = _calls(pg)
+    assert len(calls.calls) == 2 * 4 * micro                   # one call per action
+    assert len(calls.bodies) == 8
+
+
+def test_parity_on_resource_variables_and_replicated_stages():
+  """Two replicas of the 4-stage pipeline on 8 devices (DP 2 x PP 4), resource variables,
+  the weights' gradients all-reduced from the last calls' sums."""
+  feeds = _feeds(16, rows_per_micro=4)
+  build = _four_stages("tf.gradients", resource=True)
+  pg = _same(_train(build, feeds=feeds), build, _config(16, devices=8), feeds)
+  assert len(_calls(pg).calls) == 2 * 2 * 4 * 16
+
+
+def test_transformer_blocks_at_16_micro_batches():
+  from epl.testing import assert_parity
+  from tests import models
+  assert_parity(models.transformer_two_stages, epl.Config(_config(16, devices=2)), copies=16,
+                batch=1, strategies=[lambda i=i: epl.replicate(1, name="stage_%d" % i)
+                                     for i in range(2)], optimizer="momentum", steps=3)
+
+
+def _gpt_ops(layers, micro):
+  """Ops of bench/scale.py's GPT-style stack on 4 stages after epl's rewrite."""
+  import bench.scale as scale
+  graph = tf.Graph()
+  with graph.as_default():
+    epl.init(epl.Config(_config(micro)))
+    scale.build(tf, epl, layers, 64, 4, 4)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())          # epl rewrites here
+    return len(graph.get_operations()), epl.Graph.get()
+
+
+@pytest.mark.parametrize("layers", [6, 12])
+def test_the_graph_does_not_grow_with_micro_batches(layers):
+  at16, pg = _gpt_ops(layers, 16)
+  at64, pg64 = _gpt_ops(layers, 64)
+  _calls(pg)
+  assert at64 <= 1.25 * at16, (at16, at64)
+
+
+def test_a_v1_cond_in_a_stage_falls_back_to_clones_and_functions_refuse_it(caplog):
+  feeds = _feeds(4)
+  build = _four_stages("minimize", cond=True)
+  local = _train(build, feeds=feeds)
+  with caplog.at_level(logging.INFO, logger="epl"):
+    pg = _same(local, build, _config(4, mode="auto"), feeds)
+  micro = pg.results["micro_batch"]
+  assert micro.calls is None and "tf.cond" in micro.fallback, micro
+  assert "not stage functions" in caplog.text
+  with pytest.raises(NotImplementedYetError, match="'functions' cannot build this step.*cond"):
+    _train(build, _config(4), local[2], feeds, scopes=_stages)
+
+
+def test_checkpointing_keeps_clones_and_functions_say_so():
+  with pytest.raises(NotImplementedYetError, match="gradient_checkpoint.type"):
+    _train(_four_stages("minimize"), _config(4, **{"gradient_checkpoint.type": "auto"}),
+           None, _feeds(4), scopes=_stages)
+
+
+def test_a_hidden_tensor_fetched_in_training_is_one_clear_error_and_a_collection_exports_it():
+  """A tensor only its own body reads (a dense layer's pre-activation) is not a call's result:
+  fetching it in a training run says so and how to keep it; in a collection it is one. A
+  metric or a summary of a layer (ops the gradients do not need) runs per micro-batch."""
+  def build(scope, export):
+    x = tf.placeholder(tf.float32, [None, 16], name="x")
+    y = tf.placeholder(tf.int64, [None], name="y")
+    with scope(0):
+      h = tf.layers.dense(x, 16, tf.nn.relu, name="d0")
+      norms = tf.reduce_sum(h * h, axis=1, name="norms")
+    with scope(1):
+      logits = tf.layers.dense(h, 10, name="out")
+      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+      accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+    inner = tf.get_default_graph().get_tensor_by_name("d0/BiasAdd:0")
+    if export:
+      tf.add_to_collection("kept", inner)
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return train, (accuracy, norms, inner), {"x": x, "y": y}
+
+  values = _feeds(4)[0]
+  for export in (False, True):
+    graph = tf.Graph()
+    with graph.as_default():
+      epl.init(epl.Config(_config(4, devices=2)))
+      train, (accuracy, norms, inner), ph = build(_stages, export)
+      feed = {ph[k]: v for k, v in values.items()}
+      with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        before = sess.run(norms, feed)                        # evaluation: the model's ops
+        _, acc, per_row = sess.run([train, accuracy, norms], feed)
+        assert 0.0 <= acc <= 1.0
+        np.testing.assert_allclose(per_row, before, rtol=1e-5)   # merged over micro-batches
+        if export:
+          assert sess.run([train, inner], feed)[1].shape == (8, 16)
+        else:
+          with pytest.raises(PlanError, match="d0/BiasAdd:0.*inside stage 0's forward"):
+            sess.run([train, inner], feed)
+          assert sess.run(inner, feed).shape == (8, 16)
+
+
+def _held(strategy, micro):
+  """epl.memory's step peak of stage 0's device on a 4-stage model with wide activations."""
+  graph = tf.Graph()
+  with graph.as_default():
+    epl.init(epl.Config(_config(micro, strategy)))
+    x = tf.placeholder(tf.float32, [None, 64])
+    h = x
+    for s in range(4):
+      with epl.replicate(1, name="stage_%d" % s):
+        h = tf.layers.dense(h, 512, tf.nn.relu, name="s%d_a" % s)
+        h = tf.layers.dense(h, 64, name="s%d_b" % s)
+    train = tf.train.GradientDescentOptimizer(0.01).minimize(tf.reduce_mean(tf.square(h)))
+    feed = {x: np.ones([micro * 16, 64], np.float32)}
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      sess.run(train, feed)
+      report = epl.memory.measure(sess, train, feed_dict=feed)
+      return report.peak("/device:CPU:1")
+
+
+def test_1f1b_holds_at_most_stages_micro_batches_and_gpipe_all_of_them():
+  """Stage 0 under 1F1B starts F(m + 4) only after B(m): its saved activations (the forward
+  calls' results) stay at 4 micro-batches whatever M; under GPipe all M are held."""
+  f16, f64 = _held("PreferBackward", 16), _held("PreferBackward", 64)
+  g16, g64 = _held("PreferForward", 16), _held("PreferForward", 64)
+  saved = 16 * 512 * 4                  # one micro-batch's hidden activations of stage 0
+  assert f64 <= 1.1 * f16, (f16, f64)
+  assert g64 - g16 >= 0.75 * 48 * saved, (g16, g64)          # GPipe: every micro-batch's
+  assert g64 >= 2 * f64, (f64, g64)
