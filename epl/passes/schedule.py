@@ -27,6 +27,10 @@ from epl.passes.micro_batch import compute_ops, needed_for_gradients
 class Schedule:
   placed: Mapping[Tuple[int, int], List[Tuple[str, list]]]
 
+  def __str__(self):
+    return "Schedule(%d stage copies, %d actions)" % (
+        len(self.placed), sum(len(v) for v in self.placed.values()))
+
 
 def _downstream_of_switches(ops):
   """Ops that may be dead in a step: what a Switch output feeds, up to the Merge (the cond's

@@ -130,6 +130,7 @@ class Body:
         if x.name not in self.names and x not in self.controls and not soft_wait(op, x):
           self.controls.append(x)
     self.results = [t for op in ops for t in op.outputs if t in exported]
+    self.result_index = {t.name: i for i, t in enumerate(self.results)}
     self.grads = [t for op in ops for t in op.outputs if t in grads]     # summed in the body
     self.weighted = weighted
 
@@ -232,6 +233,9 @@ def call_node(graph_def, name, fname, device, inputs, in_types, out_types, confi
   node.attr["config_proto"].s = config
   node.attr["executor_type"].s = b""
   node.attr[CALL_ATTR].b = True
+  # TF's importer would infer the outputs' shapes from the body, once per call (most of the
+  # import at M = 64): the caller sets them from the user's tensors instead
+  node.attr["_disable_call_shape_inference"].b = True
   return node
 
 

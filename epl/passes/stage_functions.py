@@ -37,7 +37,7 @@ from typing import Dict, Mapping, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.clone import Cloner
+from epl.passes.clone import Cloner, _prefix_free, _rename_for_clone
 from epl.passes.replicate import device_function
 from epl.passes.stage_bodies import Body, acyclic, call_node, config_proto, cut, soft_wait
 
@@ -181,40 +181,60 @@ class _Copy:
     x = op if self.c == 0 else self.clones.op(self.c, op)
     return op if x is None else x
 
-  def outside_tensor(self, t, m):
-    if m and t.op in self.pre_set:
-      return self.pre_clones[m][t.op.name].outputs[t.value_index]
-    return self.own(t)
-
-  def outside_op(self, op, m):
-    return self.pre_clones[m][op.name] if m and op in self.pre_set else self.own_op(op)
-
   def build(self, base, config):
-    cloner = self.cloners[0]
-    for m in range(1, self.count if cloner is not None else 1):
-      self.pre_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, self.c),
-                                        {t: self.own(t) for t in cloner.imports.values()})
-    graph_def, input_map, names, waits = self._graph_def(base, config)
+    """Imports this copy's functions, calls and per-micro-batch clones in one C++ import
+    (each import costs a pass over the whole graph: one per micro-batch was most of the
+    rewrite at M = 64)."""
+    graph_def, names, waits = self._graph_def(base, config)
     with self.ctx.graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
         tf.device(None):
-      made = dict(zip(names.values(), compat.import_nodes(self.ctx.graph, graph_def, input_map,
-                                                          list(names.values()), base)))
+      made = dict(zip(names, compat.import_nodes(self.ctx.graph, graph_def, self._input_map,
+                                                 names, base)))
     for name, ops in waits.items():
       compat.add_control_inputs(made[name], list(dict.fromkeys(ops)))
-    for (s, kind, m), name in names.items():
+    calls = {}
+    for (s, kind, m), name in self._call_names.items():
       call, body = made[name], self.bodies[(s, kind)]
+      calls[(s, kind, m)] = call
       self.calls[(self.c, s, "%s%d" % (kind, m))] = call
+      for out, t in zip(call.outputs, body.results + body.grads):
+        out.set_shape(t.shape)
       self.exports[m].update((t.name, call.outputs[i]) for i, t in enumerate(body.results))
       if m == self.count - 1:
         self.sums.update((g.name, call.outputs[len(body.results) + i])
                          for i, g in enumerate(body.grads))
-    self._rewire_outside({(s, kind, m): made[n] for (s, kind, m), n in names.items()})
-    self._clone_post({(s, kind, m): made[n] for (s, kind, m), n in names.items()})
+    for which, cloner in zip((self.pre_clones, self.post_clones), self.cloners):
+      for m in range(1, self.count if cloner is not None else 1):
+        which[m] = {n: made["mb%d/%s" % (m, n)] for n in cloner.names}
+    self._rewire_outside(calls)
+
+  def _ref(self, t, m):
+    """How micro-batch ``m``'s value of the user's tensor ``t`` is named in the import: a
+    call's result, a clone in the import, or an input-map key for an outside tensor."""
+    producer = self.member.get(t.op)
+    if producer is not None:
+      return "s%d_%s%d:%d" % (producer[0], producer[1], m,
+                              self.bodies[producer].result_index[t.name])
+    if m and t.op in self.pre_set:
+      return "mb%d/%s:%d" % (m, t.op.name, t.value_index)
+    return self._external(self.own(t))
+
+  def _control(self, x, m, name, waits):
+    """A wait of import node ``name`` on the user's op ``x`` in micro-batch ``m``: an input
+    ("^...") within the import, or None (added after the import: ``waits``)."""
+    producer = self.member.get(x)
+    if producer is not None:
+      return "^s%d_%s%d" % (producer[0], producer[1], m)
+    if m and x in self.pre_set:
+      return "^mb%d/%s" % (m, x.name)
+    waits.setdefault(name, []).append(self.own_op(x))
+    return None
 
   def _graph_def(self, base, config):
-    """The GraphDef to import: this copy's FunctionDefs and one call per action, chained in
-    the schedule's order. Returns (it, input map, {(s, kind, m): call name}, {call name:
-    outside ops it waits for})."""
+    """The GraphDef to import: this copy's FunctionDefs, one call per action chained in the
+    schedule's order, and micro-batches 1..M-1's clones of the sources and of the forward ops
+    the gradients do not need. Returns (it, the names to import, {node name: outside ops it
+    waits for})."""
     graph_def = tf.GraphDef()
     graph_def.versions.CopyFrom(self.ctx.graph.graph_def_versions)
     prefix = "" if self.c == 0 else "EPL_REPLICA_%d" % self.c
@@ -224,8 +244,11 @@ class _Copy:
         fnames[(s, kind, first)] = "%s_s%d_%s%s" % (base, s, kind, "" if first else "_more")
         graph_def.library.function.add().CopyFrom(body.function_def(
             fnames[(s, kind, first)], self.ctx.nodes, self.device_fn, prefix, first))
-    self._input_map, self._ext = {}, {}
-    names, waits = {}, {}
+    self._input_map, self._ext, self._call_names = {}, {}, {}
+    waits, names = {}, []
+    for cloner in self.cloners:
+      for m in range(1, self.count if cloner is not None else 1):
+        names.extend(self._clone_nodes(graph_def, cloner, m, waits))
     for s, actions in enumerate(self.ctx.plan.schedule):
       previous = None
       for action in actions:
@@ -233,44 +256,52 @@ class _Copy:
         body = self.bodies.get((s, kind))
         if body is None:
           continue
-        names[(s, kind, m)] = name = "s%d_%s" % (s, action)
+        self._call_names[(s, kind, m)] = name = "s%d_%s" % (s, action)
         first = m == 0 or (s, kind, False) not in fnames
-        inputs, controls = self._call_inputs(body, m, first, waits, name)
+        inputs = [self._ref(t, m) for t in body.args]
+        if not first:
+          inputs.extend("s%d_B%d:%d" % (s, m - 1, len(body.results) + i)
+                        for i in range(len(body.grads)))
+        if body.grads and body.weighted:
+          inputs.append(self._external(self.pieces[self.c * self.count + m]))
+        controls = [c for c in (self._control(x, m, name, waits) for x in body.controls) if c]
         call_node(graph_def, name, fnames[(s, kind, first)], self.ctx.worker.device_of(self.c, s),
                   inputs + controls + (["^" + previous] if previous else []),
                   body.in_types(first), body.out_types(), config)
+        names.append(name)
         previous = name
-    return graph_def, self._input_map, names, waits
+    return graph_def, names, waits
+
+  def _clone_nodes(self, graph_def, cloner, m, waits):
+    """Micro-batch ``m``'s copies of ``cloner``'s NodeDefs (as ``Cloner.clone`` makes them)
+    under ``mb<m>/``; returns their names."""
+    members, out = set(cloner.names), []
+    for node in cloner.graph_def.node:
+      new = graph_def.node.add()
+      new.CopyFrom(node)
+      new.name = "mb%d/%s" % (m, node.name)
+      own = _prefix_free(node)
+      if own:
+        _rename_for_clone(new, own, "EPL_MB_%d_R_%d" % (m, self.c))
+      del new.input[:]
+      for text in node.input:
+        src = text.lstrip("^").partition(":")[0]
+        if src in members:
+          new.input.append(("^mb%d/%s" if text.startswith("^") else "mb%d/%s") % (m, text.lstrip("^")))
+        else:
+          new.input.append(self._ref(cloner.imports[text], m))
+      for x in cloner.control_after.get(node.name, ()):
+        control = self._control(x, m, new.name, waits)
+        if control:
+          new.input.append(control)
+      out.append(new.name)
+    return out
 
   def _external(self, t):
     if t not in self._ext:
       self._ext[t] = "epl_ext_%d:0" % len(self._ext)
       self._input_map[self._ext[t]] = t
     return self._ext[t]
-
-  def _call_inputs(self, body, m, first, waits, name):
-    """(data inputs, control inputs) of micro-batch ``m``'s call of ``body``."""
-    inputs, controls = [], []
-    for t in body.args:
-      producer = self.member.get(t.op)
-      if producer is not None:
-        inputs.append("s%d_%s%d:%d" % (producer[0], producer[1], m,
-                                       self.bodies[producer].results.index(t)))
-      else:
-        inputs.append(self._external(self.outside_tensor(t, m)))
-    if not first:
-      s = body.key[0]
-      inputs.extend("s%d_B%d:%d" % (s, m - 1, len(body.results) + i)
-                    for i in range(len(body.grads)))
-    if body.grads and body.weighted:
-      inputs.append(self._external(self.pieces[self.c * self.count + m]))
-    for x in body.controls:
-      producer = self.member.get(x)
-      if producer is not None:
-        controls.append("^s%d_%s%d" % (producer[0], producer[1], m))
-      else:
-        waits.setdefault(name, []).append(self.outside_op(x, m))
-    return inputs, controls
 
   def _rewire_outside(self, calls):
     """This copy's own ops outside the bodies (micro-batch 0's metrics, an update reading a
@@ -298,21 +329,3 @@ class _Copy:
           compat.replace_control_inputs(waiter, {op: None})
           compat.add_control_inputs(waiter, [call for k, call in calls.items()
                                              if k[:2] == key])
-
-  def _clone_post(self, calls):
-    """Micro-batches 1..M-1's clones of the forward ops the gradients do not need, reading
-    that micro-batch's call results and sources, and waiting for its calls."""
-    cloner = self.cloners[1]
-    if cloner is None:
-      return
-    here = {self.own_op(op): key for op, key in self.member.items()}
-    for m in range(1, self.count):
-      mapping = {t: self.exports[m][t.name] if t.op in self.member else
-                 self.outside_tensor(t, m) for t in cloner.imports.values()}
-      self.post_clones[m] = cloner.clone("EPL_MB_%d_R_%d" % (m, self.c), mapping)
-      for clone in self.post_clones[m].values():
-        stale = [x for x in clone.control_inputs if x in self.member or x in here]
-        if stale:
-          compat.replace_control_inputs(clone, {x: None for x in stale})
-          compat.add_control_inputs(clone, [
-              calls[(self.member.get(x) or here[x]) + (m,)] for x in stale])
