@@ -120,6 +120,42 @@ class Cloner:
     return mapping
 
 
+  def nodes_into(self, graph_def, scope, prefix, outside):
+    """This clone's NodeDefs added to ``graph_def`` (the caller imports it with other nodes)
+    under the node-name scope ``scope``, made its own as ``clone(prefix)`` makes them (while
+    frames, seeds, resource names). ``outside(x, name)``: the input text, for new node
+    ``name``, naming the original tensor or op ``x`` from outside the list (a "^..." text for
+    an op), or None for a wait the caller adds after the import. Returns the new node names, in ``self.names``' order."""
+    members = set(self.names)
+    for node in self.graph_def.node:
+      new = graph_def.node.add()
+      new.CopyFrom(node)
+      new.name = "%s/%s" % (scope, node.name)
+      own = _prefix_free(node)
+      if own:
+        _rename_for_clone(new, own, prefix)
+      del new.input[:]
+      for text in node.input:
+        if text.lstrip("^").partition(":")[0] in members:
+          new.input.append("%s%s/%s" % ("^" if text.startswith("^") else "", scope,
+                                        text.lstrip("^")))
+        else:
+          new.input.append(outside(self.imports[text], new.name))
+      for x in self.control_after.get(node.name, ()):
+        text = outside(x, new.name)
+        if text:
+          new.input.append(text)
+    return ["%s/%s" % (scope, name) for name in self.names]
+
+
+def own_seeds(node, prefix):
+  """Gives NodeDef ``node`` the random seed a clone under ``prefix`` draws with (what
+  ``_rename_for_clone`` does for seeds alone: a function body keeps its frames and names)."""
+  own = _prefix_free(node)
+  if "seed2" in own:
+    _rename_for_clone(node, {"seed2": own["seed2"]}, prefix)
+
+
 def _prefix_free(node):
   """The attributes of ``node`` a clone's prefix changes, as the original has them
   ({} when none)."""

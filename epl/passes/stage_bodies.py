@@ -12,7 +12,7 @@ from tensorflow.core.framework import function_pb2
 from epl import _tf_compat as compat
 from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, READ_OPS, VARIABLE_OPS,
                            mutates)
-from epl.passes.clone import _prefix_free, _rename_for_clone
+from epl.passes.clone import own_seeds
 
 CALL_ATTR = "_epl_stage_call"
 _STACK_OPS = ("Stack", "TensorArray")
@@ -173,11 +173,8 @@ class Body:
     node.device = device
     if "_class" in node.attr:
       del node.attr["_class"]                     # no colocation with ops outside the body
-    own = _prefix_free(node)
-    own.pop("frame_name", None)
-    own.pop("shared_name", None)
-    if own and prefix:
-      _rename_for_clone(node, own, prefix)        # a copy's own random seeds
+    if prefix:
+      own_seeds(node, prefix)                     # a copy's own random seeds
     inputs = list(node.input)
     del node.input[:]
     for text in inputs:

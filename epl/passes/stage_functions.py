@@ -37,7 +37,7 @@ from typing import Dict, Mapping, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
-from epl.passes.clone import Cloner, _prefix_free, _rename_for_clone
+from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
 from epl.passes.stage_bodies import Body, acyclic, call_node, config_proto, cut, soft_wait
 
@@ -248,7 +248,10 @@ class _Copy:
     waits, names = {}, []
     for cloner in self.cloners:
       for m in range(1, self.count if cloner is not None else 1):
-        names.extend(self._clone_nodes(graph_def, cloner, m, waits))
+        names.extend(cloner.nodes_into(
+            graph_def, "mb%d" % m, "EPL_MB_%d_R_%d" % (m, self.c),
+            lambda x, name, m=m: self._ref(x, m) if isinstance(x, tf.Tensor) else
+            self._control(x, m, name, waits)))
     for s, actions in enumerate(self.ctx.plan.schedule):
       previous = None
       for action in actions:
@@ -271,31 +274,6 @@ class _Copy:
         names.append(name)
         previous = name
     return graph_def, names, waits
-
-  def _clone_nodes(self, graph_def, cloner, m, waits):
-    """Micro-batch ``m``'s copies of ``cloner``'s NodeDefs (as ``Cloner.clone`` makes them)
-    under ``mb<m>/``; returns their names."""
-    members, out = set(cloner.names), []
-    for node in cloner.graph_def.node:
-      new = graph_def.node.add()
-      new.CopyFrom(node)
-      new.name = "mb%d/%s" % (m, node.name)
-      own = _prefix_free(node)
-      if own:
-        _rename_for_clone(new, own, "EPL_MB_%d_R_%d" % (m, self.c))
-      del new.input[:]
-      for text in node.input:
-        src = text.lstrip("^").partition(":")[0]
-        if src in members:
-          new.input.append(("^mb%d/%s" if text.startswith("^") else "mb%d/%s") % (m, text.lstrip("^")))
-        else:
-          new.input.append(self._ref(cloner.imports[text], m))
-      for x in cloner.control_after.get(node.name, ()):
-        control = self._control(x, m, new.name, waits)
-        if control:
-          new.input.append(control)
-      out.append(new.name)
-    return out
 
   def _external(self, t):
     if t not in self._ext:
