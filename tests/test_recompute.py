@@ -98,8 +98,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recompute_trains_the_model_it_trains_without(case):
   devices, kind, micro = CASES[case]
-  # (gradient checkpointing keeps micro-batch clones: the run without it must too, or its
-  # dropout masks are drawn by stage functions, another stream)
+  # (the pipeline case as clones; as stage functions: tests/test_stage_functions.py -- the
+  # two draw dropout masks from other streams)
   keys = {"pipeline.num_micro_batch": micro, "graph.micro_batches": "clones"} if micro else {}
   if micro:
     stages = [lambda: epl.replicate(1, name="stage_0"), lambda: epl.replicate(1, name="stage_1")]

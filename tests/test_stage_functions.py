@@ -122,10 +122,97 @@ def test_a_v1_cond_in_a_stage_falls_back_to_clones_and_functions_refuse_it(caplo
     _train(build, _config(4), local[2], feeds, scopes=_stages)
 
 
-def test_checkpointing_keeps_clones_and_functions_say_so():
-  with pytest.raises(NotImplementedYetError, match="gradient_checkpoint.type"):
-    _train(_four_stages("minimize"), _config(4, **{"gradient_checkpoint.type": "auto"}),
-           None, _feeds(4), scopes=_stages)
+@pytest.mark.parametrize("micro", [4, 16])
+def test_checkpointing_recomputes_inside_the_backward_calls_and_trains_the_local_model(micro):
+  """gradient_checkpoint.type auto as stage functions: the user's backward reads recomputed
+  segments (built once, before the bodies are cut), so the backward calls recompute and the
+  forward calls hand on only checkpoints; each way the step is written, at 1e-5."""
+  feeds = _feeds(micro)
+  for style in STYLES:
+    build = _four_stages(style)
+    pg = _same(_train(build, feeds=feeds), build,
+               _config(micro, **{"gradient_checkpoint.type": "auto"}), feeds)
+    assert len(_calls(pg).calls) == 2 * 4 * micro
+    done = pg.results["recompute"]
+    assert done.recomputed_ops > 0 and done.rewired > 0, done
+
+
+def _residual(stages, dropout):
+  from tests.test_recompute import residual_mlp
+  return residual_mlp(dropout=dropout, stages=[
+      lambda: epl.replicate(1, name="stage_0"), lambda: epl.replicate(1, name="stage_1")]
+                      if stages else None)
+
+
+def test_checkpointing_with_dropout_reuses_the_forward_calls_masks_and_checks_itself(
+    monkeypatch):
+  """Dropout under stage functions with checkpointing: the recomputation reads the forward
+  call's masks (handed on), so the model is the one trained without checkpointing;
+  check_gradients compares forward and recomputed tensors in the first step and catches a
+  recompute that draws new masks."""
+  import sys
+  from tests.test_recompute import _assert_same, _config as rc_config, _train as rc_train
+  build = _residual(True, 0.3)
+  keys = {"pipeline.num_micro_batch": 4, "graph.micro_batches": "functions"}
+  plain = rc_train(build, rc_config(2, **keys))
+  gc_keys = dict(keys, **{"gradient_checkpoint.type": "auto",
+                          "gradient_checkpoint.check_gradients": True})
+  checked = rc_train(build, rc_config(2, **gc_keys), initial=plain.initial)
+  _assert_same(checked, plain)
+  assert checked.parallel.results["micro_batch"].calls is not None
+  assert checked.parallel.results["recompute"].check_op is not None
+  module = sys.modules["epl.passes.recompute"]
+  monkeypatch.setattr(module, "RANDOM_OPS", frozenset())
+  monkeypatch.setattr(module, "mutates",
+                      lambda op, keep=module.mutates: op.type != "RandomUniform" and keep(op))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="check_gradients"):
+    rc_train(build, rc_config(2, **gc_keys), initial=plain.initial)
+
+
+def test_checkpointing_lowers_what_the_forward_calls_hand_on():
+  """A deep stage 0 (8 dense blocks): under 1F1B its device holds 4 micro-batches' saved
+  activations; with checkpointing only their checkpoints (the blocks' outputs)."""
+  peaks = {kind: _held("PreferBackward", 8, blocks=8, checkpoint=kind, rows=128)
+           for kind in ("", "auto")}
+  assert peaks["auto"] < 0.75 * peaks[""], peaks
+
+
+def test_random_streams_do_not_restart_when_a_run_fetches_something_else():
+  """A call's dropout masks come from stateless kernels seeded per call by one stateful op
+  outside the calls: a step that fetches one more tensor (another run signature, for which TF
+  instantiates the functions anew) continues the stream instead of restarting it -- the job
+  trains the model it trains when every step fetches the same."""
+  def build(scope):
+    x = tf.placeholder(tf.float32, [None, 16], name="x")
+    y = tf.placeholder(tf.int64, [None], name="y")
+    with scope(0):
+      h = tf.nn.dropout(tf.layers.dense(x, 32, tf.nn.relu, name="d0"), rate=0.5)
+    with scope(1):
+      logits = tf.layers.dense(h, 10, name="out")
+      loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
+    return (tf.train.GradientDescentOptimizer(0.5).minimize(loss), loss,
+            tf.reduce_mean(logits), {"x": x, "y": y})
+
+  def run(extra_every):
+    graph = tf.Graph()
+    with graph.as_default():
+      tf.set_random_seed(3)
+      epl.init(epl.Config(_config(4, devices=2)))
+      with tf.Session() as sess:
+        train, loss, mean, ph = build(_stages)
+        sess.run(tf.global_variables_initializer())
+        losses = []
+        for i, values in enumerate(_feeds(4, steps=6)):
+          feed = {ph[k]: v for k, v in values.items()}
+          fetches = [loss, train] + ([mean] if i % extra_every == 1 else [])
+          losses.append(sess.run(fetches, feed)[0])
+        assert epl.Graph.get().results["micro_batch"].calls is not None
+        return losses, sess.run(tf.trainable_variables())
+
+  same, mixed = run(10 ** 6), run(2)
+  np.testing.assert_allclose(mixed[0], same[0], rtol=1e-6)
+  for a, b in zip(mixed[1], same[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_a_hidden_tensor_fetched_in_training_is_one_clear_error_and_a_collection_exports_it():
@@ -169,19 +256,24 @@ def test_a_hidden_tensor_fetched_in_training_is_one_clear_error_and_a_collection
           assert sess.run(inner, feed).shape == (8, 16)
 
 
-def _held(strategy, micro):
-  """epl.memory's step peak of stage 0's device on a 4-stage model with wide activations."""
+def _held(strategy, micro, blocks=1, checkpoint="", rows=16):
+  """epl.memory's step peak of stage 0's device on a 4-stage model with wide activations
+  (``blocks`` dense blocks per stage, under ``block_<i>`` scopes)."""
   graph = tf.Graph()
   with graph.as_default():
-    epl.init(epl.Config(_config(micro, strategy)))
+    epl.init(epl.Config(_config(micro, strategy, **{"gradient_checkpoint.type": checkpoint})))
     x = tf.placeholder(tf.float32, [None, 64])
     h = x
     for s in range(4):
       with epl.replicate(1, name="stage_%d" % s):
-        h = tf.layers.dense(h, 512, tf.nn.relu, name="s%d_a" % s)
-        h = tf.layers.dense(h, 64, name="s%d_b" % s)
+        for b in range(blocks):
+          with tf.variable_scope("block_%d" % (s * blocks + b)):
+            h = h + tf.layers.dense(tf.layers.dense(h, 512, tf.nn.relu, name="s%d_a" % s),
+                                    64, name="s%d_b" % s) if b else \
+                tf.layers.dense(tf.layers.dense(h, 512, tf.nn.relu, name="s%d_a" % s), 64,
+                                name="s%d_b" % s)
     train = tf.train.GradientDescentOptimizer(0.01).minimize(tf.reduce_mean(tf.square(h)))
-    feed = {x: np.ones([micro * 16, 64], np.float32)}
+    feed = {x: np.ones([micro * rows, 64], np.float32)}
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
       sess.run(train, feed)

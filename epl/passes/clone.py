@@ -31,6 +31,10 @@ class NodeDefCache:
       self._nodes = {n.name: n for n in self.graph.as_graph_def(add_shapes=False).node}
     return self._nodes[name]
 
+  def refresh(self):
+    """Serialise again at the next ``get``: a pass changed ops already serialised."""
+    self._nodes = None
+
 
 def _split_input(name):
   if name.startswith("^"):

@@ -20,7 +20,8 @@ from epl.errors import NotImplementedYetError
 from epl.passes.clone import Cloner, wait_for_clones
 from epl.op_tables import VARIABLE_OPS
 from epl.passes.replicate import device_function
-from epl.passes.stage_functions import StageCalls, build as build_stage_functions
+from epl.passes.recompute import Recomputed, check_apart, on_template
+from epl.passes.stage_functions import StageCalls, build as build_stage_functions, survey
 
 log = logging.getLogger("epl")
 
@@ -30,6 +31,7 @@ class MicroBatches:
   clones: Mapping[tuple, Dict[str, tf.Operation]]   # (copy, m >= 1) -> {original name: op}
   calls: Optional[StageCalls] = None   # micro-batches as stage functions
   fallback: str = ""                 # why stage functions were asked for and not built
+  recomputed: Optional[Recomputed] = None   # stage functions' gradient checkpointing
 
   def __str__(self):
     if self.calls is not None:
@@ -61,6 +63,29 @@ def needed_for_gradients(ctx, compute):
   return [op for op in compute if op in needed]
 
 
+def _stage_functions(ctx, compute):
+  """``MicroBatches`` as stage functions, or why they cannot hold this step (nothing built).
+  Gradient checkpointing rebuilds the user's backward first (``recompute.on_template``): the
+  backward bodies then recompute their segments, the forward calls hand on checkpoints."""
+  found = survey(ctx, compute, set(needed_for_gradients(ctx, compute)))
+  if isinstance(found, str):
+    return found
+  if not ctx.plan.memory.gradient_checkpoint:
+    calls = build_stage_functions(ctx, found)
+    return MicroBatches(calls.outside, calls)
+  done, added, pairs = on_template(ctx)
+  compute = compute + list(added)
+  found = survey(ctx, compute, set(needed_for_gradients(ctx, compute)), added)
+  if isinstance(found, str):       # the user's ops are rebuilt already: clones cannot follow
+    raise NotImplementedYetError(
+        "gradient checkpointing as stage functions: %s; set graph.micro_batches to 'clones'"
+        % found)
+  check = check_apart(ctx, pairs)         # before the calls take over the user's ops
+  calls = build_stage_functions(ctx, found)
+  return MicroBatches(calls.outside, calls,
+                      recomputed=dataclasses.replace(done, check_op=check))
+
+
 def micro_batch(ctx):
   """Runs the pass; see the module docstring."""
   count = ctx.plan.num_micro_batch
@@ -69,10 +94,9 @@ def micro_batch(ctx):
   analysis = ctx.result("analyze")
   fallback = ""
   if ctx.plan.stage_functions:
-    compute = compute_ops(analysis, ctx.phase)
-    built = build_stage_functions(ctx, compute, set(needed_for_gradients(ctx, compute)))
+    built = _stage_functions(ctx, compute_ops(analysis, ctx.phase))
     if not isinstance(built, str):
-      return MicroBatches(built.outside, built)
+      return built
     if ctx.plan.stage_functions == "required":
       raise NotImplementedYetError(
           "graph.micro_batches 'functions' cannot build this step: %s; use 'auto' (functions "

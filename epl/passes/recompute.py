@@ -124,8 +124,9 @@ class _Segment:
   waits: list        # backward ops the recomputation waits for
 
 
-def _segments(forward, backward, checkpoints):
-  """The recompute segments of the user's ops (see the module docstring)."""
+def _segments(forward, backward, checkpoints, stage_of=None):
+  """The recompute segments of the user's ops (see the module docstring); ``stage_of``: op ->
+  stage, to keep each stage's segments apart (stage functions)."""
   keep = set(checkpoints)
   needed = {}
   for b in sorted(backward, key=compat.op_id):
@@ -146,7 +147,8 @@ def _segments(forward, backward, checkpoints):
         continue
       ops.add(x.op)
       work.extend(x.op.inputs)
-    group = groups.setdefault(frozenset(starts), _Segment([], [], []))
+    key = (frozenset(starts), stage_of(t.op) if stage_of else None)
+    group = groups.setdefault(key, _Segment([], [], []))
     group.ops = sorted(set(group.ops) | ops, key=compat.op_id)
     group.uses += [(b, i, t) for b, i in uses]
   for group in groups.values():
@@ -168,17 +170,19 @@ def _segments(forward, backward, checkpoints):
   return list(groups.values())
 
 
-def recompute(ctx):
-  """Runs the pass; see the module docstring."""
+def template(ctx, boundaries=False):
+  """(checkpoints, segments) of the user's ops (copy 0, micro-batch 0), or None when the plan
+  checkpoints nothing. ``boundaries``: a tensor one stage's forward hands to another's is a
+  checkpoint too (stage functions: it is handed on anyway, and a segment then never spans two
+  stages' bodies)."""
   memory = ctx.plan.memory
   if not memory.gradient_checkpoint:
-    return Recomputed()
-  graph, plan, worker = ctx.graph, ctx.plan, ctx.worker
-  analysis, clones = ctx.result("analyze"), ctx.clones()
+    return None
+  graph, plan = ctx.graph, ctx.plan
   last = memory.checkpoint_end_taskgraph
   tgs = {t.index for t in plan.taskgraphs if not plan.is_split(t.index) and
          (last < 0 or t.index <= last)}
-  step = analysis.cloned_set
+  step = ctx.result("analyze").cloned_set
   forward = {op for op, p in ctx.phase.items() if p == "forward" and op in step and
              ctx.owner.get(op) in tgs}
   backward = {op for op, p in ctx.phase.items() if p == "backward" and op in step}
@@ -188,39 +192,116 @@ def recompute(ctx):
     checkpoints = []
     for tg in sorted(tgs):
       checkpoints += choose_checkpoints([op for op in forward if ctx.owner[op] == tg])
-  segments = _segments(forward, backward, checkpoints)
+  if boundaries:
+    chosen = set(checkpoints)
+    checkpoints += [t for op in sorted(forward, key=compat.op_id) for t in op.outputs
+                    if t not in chosen and any(
+                        ctx.phase.get(c) == "forward" and ctx.owner.get(c) != ctx.owner[op]
+                        for c in t.consumers())]
+  return checkpoints, _segments(forward, backward, checkpoints,
+                                ctx.owner.get if boundaries else None)
+
+
+def rebuild(ctx, segments, c, m, here):
+  """Builds the segments' recomputation in copy ``c``, micro-batch ``m`` (``here``: the
+  user's op -> its op there, None where absent) and rewires its backward users to it.
+  Returns ([(user's forward op, its recomputed op)], inputs rewired, [(forward tensor,
+  recomputed tensor)] of float tensors for the check)."""
+  graph = ctx.graph
+  made, rewired, pairs = [], 0, []
+  for s, seg in enumerate(segments):
+    ops = [here(op) for op in seg.ops]
+    if any(op is None for op in ops):
+      continue                              # this TaskGraph has no copy here
+    copy = clone_ops(graph, ops, "epl_recompute/c%d_m%d_s%d" % (c, m, s),
+                     lambda op: op.device, node_cache=ctx.nodes)
+    made.extend((op, copy[x.name]) for op, x in zip(seg.ops, ops))
+    waits = [w for w in (here(op) for op in seg.waits) if w is not None]
+    if waits:
+      roots = [copy[op.name] for op in ops
+               if not any(t.op.name in copy for t in op.inputs)]
+      with graph.as_default(), tf.name_scope(None), tf.device(roots[0].device), \
+          tf.control_dependencies(waits):
+        start = tf.no_op(name="epl_recompute/start_c%d_m%d_s%d" % (c, m, s))
+      made.append((seg.ops[0], start))
+      for root in roots:
+        compat.add_control_inputs(root, [start])
+    for b, i, t in seg.uses:
+      user = here(b)
+      original = here(t.op)
+      new = copy[original.name].outputs[t.value_index]
+      if user.inputs[i].op is original:
+        compat.update_input(user, i, new)
+        rewired += 1
+        if new.dtype.is_floating:
+          pairs.append((original.outputs[t.value_index], new))
+  return made, rewired, pairs
+
+
+def recompute(ctx):
+  """Runs the pass; see the module docstring. With stage functions the micro_batch pass
+  already rebuilt the user's ops (``on_template``): the bodies hold the recomputation."""
+  micro = ctx.results.get("micro_batch")
+  if micro is not None and micro.recomputed is not None:
+    return micro.recomputed
+  found = template(ctx)
+  if found is None:
+    return Recomputed()
+  checkpoints, segments = found
+  clones = ctx.clones()
   cloned = rewired = 0
   pairs = []                                      # (forward tensor, recomputed), copy 0
-  for c in range(worker.num_copies):
-    for m in range(plan.num_micro_batch):
+  for c in range(ctx.worker.num_copies):
+    for m in range(ctx.plan.num_micro_batch):
       here = lambda op: clones.op(c, op, m) if (c, m) != (0, 0) else op   # noqa: E731
-      for s, seg in enumerate(segments):
-        ops = [here(op) for op in seg.ops]
-        if any(op is None for op in ops):
-          continue                              # this TaskGraph has no copy here
-        copy = clone_ops(graph, ops, "epl_recompute/c%d_m%d_s%d" % (c, m, s),
-                         lambda op: op.device, node_cache=ctx.nodes)
-        cloned += len(copy)
-        waits = [w for w in (here(op) for op in seg.waits) if w is not None]
-        if waits:
-          roots = [copy[op.name] for op in ops
-                   if not any(t.op.name in copy for t in op.inputs)]
-          with graph.as_default(), tf.name_scope(None), tf.device(roots[0].device), \
-              tf.control_dependencies(waits):
-            start = tf.no_op(name="epl_recompute/start_c%d_m%d_s%d" % (c, m, s))
-          for root in roots:
-            compat.add_control_inputs(root, [start])
-        for b, i, t in seg.uses:
-          user = here(b)
-          original = here(t.op)
-          new = copy[original.name].outputs[t.value_index]
-          if user.inputs[i].op is original:
-            compat.update_input(user, i, new)
-            rewired += 1
-            if (c, m) == (0, 0) and new.dtype.is_floating:
-              pairs.append((original.outputs[t.value_index], new))
-  check = _check(graph, pairs) if memory.check_gradients and pairs else None
+      made, n, found_pairs = rebuild(ctx, segments, c, m, here)
+      cloned += sum(1 for _, op in made if op.type != "NoOp")
+      rewired += n
+      if (c, m) == (0, 0):
+        pairs = found_pairs
+  check = _check(ctx.graph, pairs) if ctx.plan.memory.check_gradients and pairs else None
   return Recomputed(tuple(t.name for t in checkpoints), len(segments), cloned, rewired, check)
+
+
+def on_template(ctx):
+  """Stage functions' recompute (micro_batch pass, before the bodies are cut): the user's
+  backward reads recomputed tensors, so the forward bodies hand on only checkpoints and the
+  backward bodies recompute. Returns (Recomputed without its check, {made op: the user's
+  forward op it recomputes}, the check's pairs) or None."""
+  found = template(ctx, boundaries=True)
+  if found is None:
+    return None
+  checkpoints, segments = found
+  made, rewired, pairs = rebuild(ctx, segments, 0, 0, lambda op: op)
+  ctx.nodes.refresh()                       # the users' NodeDefs read the recomputed tensors
+  done = Recomputed(tuple(t.name for t in checkpoints), len(segments),
+                    sum(1 for _, op in made if op.type != "NoOp"), rewired)
+  return done, {op: forward for forward, op in made}, pairs
+
+
+def check_apart(ctx, pairs):
+  """Stage functions' check op (gradient_checkpoint.check_gradients), or None: the user's
+  forward and recomputed tensors of ``pairs`` run inside calls, so the check compares them in
+  a clone of their own, made before the calls (it reads the step's inputs and weights: the
+  same values as micro-batch 0's calls, its random ops drawn once for both sides)."""
+  if not ctx.plan.memory.check_gradients or not pairs:
+    return None
+  sources = set(ctx.result("analyze").sources)
+  ops, work = set(), [t.op for pair in pairs for t in pair]
+  while work:
+    op = work.pop()
+    if op in ops or op in sources or _source(op) and op.type != "Const":
+      continue
+    ops.add(op)
+    work.extend(t.op for t in op.inputs)
+
+  def values_only(_, node):          # the check needs values, not the step's waits
+    node.input[:] = [x for x in node.input if not x.startswith("^")]
+
+  clone = clone_ops(ctx.graph, sorted(ops, key=compat.op_id), "epl_recompute/check_inputs",
+                    lambda op: op.device, node_cache=ctx.nodes, edit=values_only)
+  return _check(ctx.graph, [tuple(clone[t.op.name].outputs[t.value_index] for t in pair)
+                            for pair in pairs])
 
 
 def _check(graph, pairs):

@@ -10,12 +10,21 @@ import tensorflow.compat.v1 as tf
 from tensorflow.core.framework import function_pb2
 
 from epl import _tf_compat as compat
-from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, READ_OPS, VARIABLE_OPS,
-                           mutates)
+from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
+                           VARIABLE_OPS, mutates)
 from epl.passes.clone import own_seeds
 
 CALL_ATTR = "_epl_stage_call"
 _STACK_OPS = ("Stack", "TensorArray")
+# A stateful kernel inside a function lives in its instantiation, and TF instantiates per run
+# signature (an evaluation run, a step that fetches one more tensor): a random op's stream
+# would restart there. A body's random ops are stateless instead, seeded per call from a
+# stateful op outside (one stream for the whole job, as the user's own ops have).
+_STATELESS = {"RandomUniform": "StatelessRandomUniform",
+              "RandomStandardNormal": "StatelessRandomNormal",
+              "TruncatedNormal": "StatelessTruncatedNormal",
+              "RandomUniformInt": "StatelessRandomUniformInt"}
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _FLOW_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge",
                        "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
 
@@ -39,18 +48,27 @@ def _refused(op):
     return "op %r (%s) is inside a v1 tf.cond / tf.while_loop of the step" % (op.name, op.type)
   if op.type.startswith(_STACK_OPS):
     return "op %r (%s) keeps per-step state a call cannot hand on" % (op.name, op.type)
+  if op.type in RANDOM_OPS and op.type not in _STATELESS:
+    return ("op %r (%s) draws random numbers and has no stateless kernel a call could seed"
+            % (op.name, op.type))
   if _writes_variable(op):
     return "op %r (%s) writes a variable in the forward/backward" % (op.name, op.type)
   return None
 
 
-def cut(ctx, compute, needed):
+def cut(ctx, compute, needed, added=None):
   """({op: (stage, kind)} of the body ops, [pre ops], [post ops], [idle ops]) or a reason
   (str) why stage functions cannot hold this step. ``compute``: a copy's compute ops
-  (originals); ``needed``: those the gradients depend on. ``post``: forward ops the gradients
-  do not need that read a micro-batch's values (cloned per micro-batch); ``idle``: the other
-  ops the gradients do not need (the backward's unused shapes and groupings, a second read
-  of a weight): they stay once, as the user's, and a training run never runs them."""
+  (originals); ``needed``: those the gradients depend on; ``added``: backward ops made by
+  the rewrite (gradient checkpointing's recomputation) -> the user's forward op they stand
+  for. ``post``: forward ops the gradients do not need that read a micro-batch's values
+  (cloned per micro-batch); ``idle``: the other ops the gradients do not need (the backward's
+  unused shapes and groupings, a second read of a weight): they stay once, as the user's,
+  and a training run never runs them.
+
+  A backward op that only takes the shape of forward tensors of its stage runs in the
+  forward body: the forward call then hands on the shape, not the activation."""
+  added = added or {}
   sources = set(ctx.result("analyze").sources)
   body, pre, post, idle = {}, [], [], []
   varies = set()
@@ -71,7 +89,12 @@ def cut(ctx, compute, needed):
       why = _refused(op)
       if why:
         return why
-      body[op] = (ctx.owner[op], "F" if ctx.phase.get(op) == "forward" else "B")
+      stage = ctx.owner[added.get(op, op)]
+      kind = "F" if op not in added and ctx.phase.get(op) == "forward" else "B"
+      if kind == "B" and op.type in _SHAPE_OPS and not op.control_inputs and all(
+          body.get(t.op) == (stage, "F") for t in op.inputs):
+        kind = "F"
+      body[op] = (stage, kind)
     else:
       varies.discard(op)                      # a weight's read: the same in every micro-batch
   return body, pre, post, idle
@@ -133,10 +156,12 @@ class Body:
     self.result_index = {t.name: i for i, t in enumerate(self.results)}
     self.grads = [t for op in ops for t in op.outputs if t in grads]     # summed in the body
     self.weighted = weighted
+    self.random = [op.name for op in ops if op.type in _STATELESS]    # seeded per call
 
   def in_types(self, first):
     return [_enum(t) for t in self.args] + ([] if first else [_enum(g) for g in self.grads]) \
-        + ([self.weighted.as_datatype_enum] if self.grads and self.weighted else [])
+        + ([self.weighted.as_datatype_enum] if self.grads and self.weighted else []) \
+        + ([tf.int64.as_datatype_enum] if self.random else [])
 
   def out_types(self):
     return [_enum(t) for t in self.results] + [_enum(g) for g in self.grads]
@@ -156,6 +181,8 @@ class Body:
         fdef.signature.input_arg.add(name="s%d" % i, type=_enum(g))
     if self.grads and self.weighted:
       fdef.signature.input_arg.add(name="w", type=self.weighted.as_datatype_enum)
+    if self.random:
+      fdef.signature.input_arg.add(name="seed", type=tf.int64.as_datatype_enum)
     outs = {}
     for op in self.ops:
       outs.update(zip((t.name for t in op.outputs), _output_refs(op)))
@@ -185,6 +212,8 @@ class Body:
         continue                                  # an outside wait: the call waits instead
       key = "%s:%d" % (src, index)
       node.input.append(outs[key] if src in self.names else ref[key])
+    if op.type in _STATELESS:
+      _stateless(fdef, node, self.random.index(op.name))
     if op.op_def.is_stateful:
       fdef.signature.is_stateful = True
 
@@ -205,6 +234,49 @@ class Body:
         value = "epl_sum%d:z:0" % i
       fdef.signature.output_arg.add(name="g%d" % i, type=dtype)
       fdef.ret["g%d" % i] = value
+
+
+def _stateless(fdef, node, index):
+  """Turns random NodeDef ``node`` (the body's ``index``-th) into its stateless twin, seeded
+  by the call's ``seed`` argument plus ``[0, index]``."""
+  offset = fdef.node_def.add(name="epl_seed%d_offset" % index, op="Const")
+  offset.attr["dtype"].type = tf.int64.as_datatype_enum
+  offset.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([0, index], tf.int64))
+  _node(fdef, "epl_seed%d" % index, "AddV2", ["seed", "epl_seed%d_offset:output:0" % index],
+        T=tf.int64.as_datatype_enum)
+  if node.op == "RandomUniformInt":
+    node.attr["dtype"].type = node.attr["Tout"].type
+    del node.attr["Tout"]
+  for key in ("seed", "seed2"):
+    del node.attr[key]
+  node.attr["Tseed"].type = tf.int64.as_datatype_enum
+  node.op = _STATELESS[node.op]
+  node.input.insert(1, "epl_seed%d:z:0" % index)
+
+
+def seed_source(graph_def, name, count, device, seeds):
+  """Nodes of ``graph_def`` that draw ``count`` call seeds (int64 [2] each) from one stateful
+  op: ``name``'s outputs 0..count-1. ``seeds``: its (seed, seed2)."""
+  shape = graph_def.node.add(name=name + "/shape", op="Const", device=device)
+  shape.attr["dtype"].type = tf.int32.as_datatype_enum
+  shape.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([count, 2], tf.int32))
+  bounds = []
+  for bound, value in (("min", 0), ("max", 2 ** 62)):
+    node = graph_def.node.add(name="%s/%s" % (name, bound), op="Const", device=device)
+    node.attr["dtype"].type = tf.int64.as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int64))
+    bounds.append(node.name)
+  draw = graph_def.node.add(name=name + "/draw", op="RandomUniformInt", device=device)
+  draw.input.extend([shape.name] + bounds)
+  draw.attr["Tout"].type = tf.int64.as_datatype_enum
+  draw.attr["T"].type = tf.int32.as_datatype_enum
+  draw.attr["seed"].i, draw.attr["seed2"].i = seeds
+  unpack = graph_def.node.add(name=name, op="Unpack", device=device)
+  unpack.input.append(draw.name)
+  unpack.attr["T"].type = tf.int64.as_datatype_enum
+  unpack.attr["num"].i = count
+  unpack.attr["axis"].i = 0
+  return [name + "/draw", name]
 
 
 def _node(fdef, name, op, inputs, **attrs):

@@ -32,6 +32,7 @@ that writes a variable, a cycle between calls, a gradient computed outside the b
 """
 import dataclasses
 import functools
+import zlib
 from typing import Dict, Mapping, Tuple
 
 import tensorflow.compat.v1 as tf
@@ -39,7 +40,8 @@ import tensorflow.compat.v1 as tf
 from epl import _tf_compat as compat
 from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
-from epl.passes.stage_bodies import Body, acyclic, call_node, config_proto, cut, soft_wait
+from epl.passes.stage_bodies import (Body, acyclic, call_node, config_proto, cut, seed_source,
+                                    soft_wait)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +111,22 @@ def _exports(ctx, member, idle, parts, dense):
   return exported, reads
 
 
-def build(ctx, compute, needed):
-  """Builds the bodies and calls of every local copy; returns ``StageCalls``, or the reason
-  (a str) why this step cannot run as stage functions (then nothing was built)."""
-  graph, worker = ctx.graph, ctx.worker
-  found = cut(ctx, compute, needed)
+@dataclasses.dataclass(frozen=True)
+class Survey:
+  """What ``survey`` found: the body ops by (stage, kind), the ops outside, the gradients
+  (every part, the dense ones), the tensors the calls return."""
+  member: Mapping[tf.Operation, Tuple[int, str]]
+  pre: list
+  post: list
+  idle: frozenset
+  grads: tuple
+  exported: frozenset
+
+
+def survey(ctx, compute, needed, added=None):
+  """A ``Survey`` of this step as stage functions (nothing built), or the reason (a str) why
+  it cannot run as them. ``added``: see ``stage_bodies.cut``."""
+  found = cut(ctx, compute, needed, added)
   if isinstance(found, str):
     return found
   member, pre, post, idle = found
@@ -122,10 +135,19 @@ def build(ctx, compute, needed):
   grads = _gradients(ctx, member)
   if isinstance(grads, str):
     return grads
-  idle = set(idle)
+  idle = frozenset(idle)
   exported, reads = _exports(ctx, member, idle, *grads)
   if not acyclic(reads):
     return "the stages' forward/backward ops read each other in a cycle"
+  return Survey(member, pre, post, idle, grads, frozenset(exported))
+
+
+def build(ctx, found):
+  """Builds the bodies and calls of every local copy from a ``Survey``; returns
+  ``StageCalls``."""
+  graph, worker = ctx.graph, ctx.worker
+  member, pre, post, idle = found.member, found.pre, found.post, set(found.idle)
+  grads, exported = found.grads, found.exported
   weights = ctx.result("replicate").row_weights
   pieces = None
   if weights is not None:
@@ -166,6 +188,7 @@ class _Copy:
     self.idle = {self.own_op(op) for op in idle}
     self.device_fn = device_function(ctx, c)
     self.pre_set = set(pre)
+    self.per_micro = {self.own_op(op) for op in list(pre) + list(post)}
     self.cloners = [Cloner(ctx.graph, ops, self.device_fn, ctx.nodes) if ops else None
                     for ops in (pre, post)]
     self.pre_clones = [{} for _ in range(self.count)]
@@ -244,7 +267,7 @@ class _Copy:
         fnames[(s, kind, first)] = "%s_s%d_%s%s" % (base, s, kind, "" if first else "_more")
         graph_def.library.function.add().CopyFrom(body.function_def(
             fnames[(s, kind, first)], self.ctx.nodes, self.device_fn, prefix, first))
-    self._input_map, self._ext, self._call_names = {}, {}, {}
+    self._input_map, self._ext, self._call_names, self._seed_nodes = {}, {}, {}, set()
     waits, names = {}, []
     for cloner in self.cloners:
       for m in range(1, self.count if cloner is not None else 1):
@@ -267,6 +290,8 @@ class _Copy:
                         for i in range(len(body.grads)))
         if body.grads and body.weighted:
           inputs.append(self._external(self.pieces[self.c * self.count + m]))
+        if body.random:
+          inputs.append("%s:%d" % (self._seeds(graph_def, s, kind, base, names), m))
         controls = [c for c in (self._control(x, m, name, waits) for x in body.controls) if c]
         call_node(graph_def, name, fnames[(s, kind, first)], self.ctx.worker.device_of(self.c, s),
                   inputs + controls + (["^" + previous] if previous else []),
@@ -274,6 +299,20 @@ class _Copy:
         names.append(name)
         previous = name
     return graph_def, names, waits
+
+  def _seeds(self, graph_def, s, kind, base, names):
+    """The node whose output m seeds (s, kind)'s call of micro-batch m (made at first use):
+    one stateful draw per step on the host, seeded as the user's first random op of the body
+    (and the body's name), so a seeded graph draws the same masks in every run."""
+    name = "seeds_s%d_%s" % (s, kind)
+    if name not in self._seed_nodes:
+      first = self.ctx.graph.get_operation_by_name(self.bodies[(s, kind)].random[0])
+      seed, seed2 = first.get_attr("seed"), first.get_attr("seed2")
+      seeds = (seed or seed2, zlib.crc32(("%s/%s" % (base, name)).encode()) & 0x7fffffff) \
+          if seed or seed2 else (0, 0)
+      names.extend(seed_source(graph_def, name, self.count, self.ctx.worker.host, seeds))
+      self._seed_nodes.add(name)
+    return name
 
   def _external(self, t):
     if t not in self._ext:
@@ -289,9 +328,13 @@ class _Copy:
     update = {self.own_op(op) for op, phase in ctx.phase.items() if phase == "apply"}
     parts = {self.own(ctx.graph.get_tensor_by_name(n)) for g in plan.gradients
              for n in g.tensors if n}
-    here = {self.own_op(op): key for op, key in self.member.items()}
+    # (ops the rewrite added to the user's bodies -- recomputation -- have no copy's own)
+    here = {self.own_op(op): key for op, key in self.member.items()
+            if self.c == 0 or self.clones.op(self.c, op) is not None}
     made = set(calls.values())
     for op in self.member:
+      if self.own_op(op) not in here:
+        continue
       for t in self.own_op(op).outputs:
         for consumer in list(t.consumers()):
           if consumer in here or consumer in made or consumer in self.idle or (
@@ -304,6 +347,8 @@ class _Copy:
     for op, key in here.items():
       for waiter in list(compat.control_outputs(op)):
         if waiter not in here:
+          # micro-batch 0's own sources and metrics wait for its call only
+          first = waiter in self.per_micro
           compat.replace_control_inputs(waiter, {op: None})
           compat.add_control_inputs(waiter, [call for k, call in calls.items()
-                                             if k[:2] == key])
+                                             if k[:2] == key and (k[2] == 0 or not first)])
