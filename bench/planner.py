@@ -2,7 +2,9 @@
 
   python bench/planner.py [--cost-model dapple|dapple-published|simulate] [--only gnmt]
                           [--clusters 1x8,2x8,16x1,4x8] [--gbs N] [--markdown]
-                          [--profiles /work/shared/data/pipedream_profiles]
+                          [--profiles DIR]   (default: $EPL_PIPEDREAM_PROFILES, else
+                                              ../shared/data/pipedream_profiles beside
+                                              the checkout)
 
 For each profile (DAPPLE's V100 profiles) on each cluster it plans with
 ``epl.plan.auto.plan_pipeline`` and prints: the stage replica counts (e.g. 15:1), the
@@ -47,7 +49,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cost-model", default="dapple",
                       choices=("dapple", "dapple-published", "simulate"))
-  parser.add_argument("--profiles", default="/work/shared/data/pipedream_profiles")
+  from epl.plan.auto.profile import published_profiles
+  parser.add_argument("--profiles", default=published_profiles())
   parser.add_argument("--only", default="", help="substring of the profile names to run")
   parser.add_argument("--clusters", default=CLUSTERS, help="comma-separated, e.g. 2x8,4x8")
   parser.add_argument("--gbs", type=int, help="global batch for every profile")
@@ -56,6 +59,9 @@ def main(argv=None):
   from epl.plan.auto import DeviceSpec, Profile, build_states, plan_pipeline
   from epl.plan.auto.states import representative_states
 
+  if not os.path.isdir(args.profiles):
+    raise SystemExit("bench/planner.py: no profiles at %s; pass --profiles DIR or set "
+                     "EPL_PIPEDREAM_PROFILES" % args.profiles)
   rows, worst, start = [], 0.0, time.perf_counter()
   for path in sorted(glob.glob(os.path.join(args.profiles, "*.txt"))):
     name, pbs, gbs = setting(path, args.gbs)

@@ -143,6 +143,22 @@ class Profile:
         self.source, len(self.nodes), len(self.edges), total, params / 1e6)
 
 
+PROFILES_ENV = "EPL_PIPEDREAM_PROFILES"
+
+
+def published_profiles():
+  """Where DAPPLE's published layer profiles (PipeDream's text format) are: the directory
+  ``$EPL_PIPEDREAM_PROFILES`` names, else ``../shared/data/pipedream_profiles`` beside the
+  checkout epl is imported from. The path may not exist: they are reference data, not part of
+  epl (tests and bench/planner.py say so and skip them)."""
+  found = os.environ.get(PROFILES_ENV)
+  if found:
+    return os.path.abspath(found)
+  checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
+  return os.path.join(os.path.dirname(checkout), "shared", "data", "pipedream_profiles")
+
+
 def pbs_from_name(path):
   """The profiled batch size a file name states as ``pbs-N`` (PipeDream's and DAPPLE's naming,
   e.g. ``vgg-19-pbs-32.txt`` -> 32), or ``None``."""
