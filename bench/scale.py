@@ -149,7 +149,7 @@ def child(spec):
                          "pipeline.num_micro_batch": micro, "log.progress_secs": 0,
                          "graph.grappler": spec.get("grappler", "auto"),
                          **({"graph.micro_batches": spec.get("micro_batches", "auto")}
-                            if micro > 1 else {})}))
+                            if micro > 1 else {}), **spec.get("config", {})}))
     if stages == 1:
       epl.set_default_strategy(epl.replicate(1))
   imported = time.time()

@@ -31,8 +31,6 @@ REFUSED = {                      # pair -> the refusal's reason (a regex of its 
     ("split", "mixed"): _MIXED % "epl.split",
     ("zero_v1", "offload"): _ZERO % "offload.level",
     ("zero_v2", "offload"): _ZERO % "offload.level",
-    ("zero_v1", "apply_groups"): _ZERO % "optimizer.num_apply_group",
-    ("zero_v2", "apply_groups"): _ZERO % "optimizer.num_apply_group",
     ("zero_v1", "mixed"): _MIXED % "zero.level",
     ("zero_v2", "mixed"): _MIXED % "zero.level",
     ("offload", "amp"): r"amp.level 'O1' together with offload.level",
@@ -123,6 +121,12 @@ ACROSS = [p for p in PAIRS if "dp_workers" in p]
 def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair, tmp_path):
   assert expected(pair) == WORKS
   _across_workers(pair, tmp_path, mm.variant_for(len(ONE_WORKER) + ACROSS.index(pair)))
+
+
+def test_zero_v2_with_grouped_apply_across_workers_trains_the_local_model(tmp_path):
+  """ZeRO v2 x num_apply_group across 2 workers (#51): each worker groups the updates of the
+  weights its copies own; the others arrive by the owners' broadcast."""
+  _across_workers(("dp_workers", "zero_v2", "apply_groups"), tmp_path)
 
 
 def test_the_recipe_set_at_once_across_workers_trains_the_local_model(tmp_path):

@@ -91,13 +91,29 @@ def cut(ctx, compute, needed, added=None):
         return why
       stage = ctx.owner[added.get(op, op)]
       kind = "F" if op not in added and ctx.phase.get(op) == "forward" else "B"
-      if kind == "B" and op.type in _SHAPE_OPS and not op.control_inputs and all(
-          body.get(t.op) == (stage, "F") for t in op.inputs):
+      if kind == "B" and op.type in _SHAPE_OPS and _shape_only(op, stage, body, added, ctx):
         kind = "F"
       body[op] = (stage, kind)
     else:
       varies.discard(op)                      # a weight's read: the same in every micro-batch
   return body, pre, post, idle
+
+
+def _shape_only(op, stage, body, added, ctx):
+  """True when backward op ``op`` takes only the shape of forward tensors of ``stage`` that
+  nothing else in the backward reads (checkpointing rewired the others): run in the forward
+  body, it makes the forward call hand on a shape instead of an activation. (Where the
+  backward reads the tensor anyway, a shape result would only add to the call's results:
+  each costs the call ~3 us, bench/call_cost.py.)"""
+  if op.control_inputs:
+    return False
+  for t in op.inputs:
+    if body.get(t.op) != (stage, "F"):
+      return False
+    for c in t.consumers():
+      if c.type not in _SHAPE_OPS and (c in added or ctx.phase.get(c) not in ("forward", None)):
+        return False
+  return True
 
 
 def soft_wait(op, x):

@@ -222,15 +222,12 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with different device_count (%s) together with %s are not "
           "implemented yet in epl; give every replicate scope the same device_count" % (
               mixed, " and ".join(together)))
-  if config.zero.level and (config.offload.level or config.optimizer.num_apply_group > 1):
+  if config.zero.level and config.offload.level:
     raise NotImplementedYetError(
         "zero.level %r is implemented for data parallelism (on one or several workers), "
-        "without epl.split, offload.level and "
-        "optimizer.num_apply_group, in this version of epl "
-        "(this job: %d worker(s)%s%s%s)" % (
-            config.zero.level, cluster.worker_num, ", epl.split" if has_split else "",
-            ", offload.level" if config.offload.level else "",
-            ", optimizer.num_apply_group" if config.optimizer.num_apply_group > 1 else ""))
+        "without offload.level, in this version of epl (this job: %d worker(s)%s, "
+        "offload.level)" % (config.zero.level, cluster.worker_num,
+                            ", epl.split" if has_split else ""))
   if config.offload.level and has_split:
     raise NotImplementedYetError(
         "offload.level %r with epl.split is not implemented yet in epl (the split parts are "
