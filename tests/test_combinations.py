@@ -33,7 +33,6 @@ REFUSED = {                      # pair -> the refusal's reason (a regex of its 
     ("zero_v2", "offload"): _ZERO % "offload.level",
     ("zero_v1", "mixed"): _MIXED % "zero.level",
     ("zero_v2", "mixed"): _MIXED % "zero.level",
-    ("offload", "amp"): r"amp.level 'O1' together with offload.level",
     ("checkpointing", "mixed"): _MIXED % "gradient_checkpoint.type",
 }
 PAIRS = list(itertools.combinations(mm.FEATURES, 2))

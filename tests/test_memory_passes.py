@@ -10,6 +10,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.op_tables import VARIABLE_OPS
 from epl.passes import grad_sync
 from tests import split_models as sm
 
@@ -114,6 +115,26 @@ def test_offload_without_it_weights_sit_on_the_devices():
   for d in run.memory.devices():
     if not d.endswith("CPU:0"):
       assert run.memory.held(d) > 0, str(run.memory)
+
+
+def test_offload_with_amp_trains_the_local_model_and_sends_half_precision_weights():
+  """offload x AMP O1 (#51): the weights stay on the host in float32; epl.amp's per-use casts
+  run there, so each weight crosses to the device as float16 (half the bytes), and nothing is
+  held on the devices between steps."""
+  amp = train(mlp("adam"), config(2, **{"amp.level": "O1"}))      # the model AMP trains
+  run = train(mlp("adam"), config(2, **{"offload.level": "v0", "amp.level": "O1"}),
+              initial=amp.initial, measure_memory=True)
+  assert_same(run, amp)                # the same casts and float16 math: placed elsewhere
+  for d in run.memory.devices():
+    if not d.endswith("CPU:0"):
+      assert run.memory.held(d) == 0, str(run.memory)
+  trained = {v.op.name for v in run.graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)}
+  casts = [op for op in run.graph.get_operations() if op.type == "Cast" and
+           op.name.startswith("epl_amp/") and op.outputs[0].dtype == tf.float16 and
+           any(x.op.type in VARIABLE_OPS and x.op.name in trained
+               for x in op.inputs[0].op.inputs)]
+  assert casts and all(op.device.endswith("CPU:0") for op in casts), \
+      [(op.name, op.device) for op in casts]
 
 
 # ---- grouped apply -----------------------------------------------------------------------

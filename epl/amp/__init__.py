@@ -23,7 +23,6 @@ import tensorflow.compat.v1 as tf
 from epl import _tf_compat as compat
 from epl.amp.convert import Conversion, convert
 from epl.amp.scaling import LossScaling, add_loss_scaling
-from epl.errors import NotImplementedYetError
 from epl.plan.attribution import attribute_ops
 
 log = logging.getLogger("epl")
@@ -51,19 +50,10 @@ def apply_amp(graph, recorder, config):
   """Runs AMP O1 on ``graph`` when ``amp.level`` asks for it; returns an Amp, or None.
 
   Raises:
-    NotImplementedYetError: AMP with epl.split, zero.level or offload.level.
     PlanError: float16 loss scaling of gradients not computed from a loss with tf.gradients.
   """
   if config.amp.level != "O1":
     return None
-  refused = [what for what, on in (
-      ("offload.level", bool(config.offload.level)),)
-             if on]
-  if refused:
-    raise NotImplementedYetError(
-        "amp.level 'O1' together with %s is not implemented yet in epl; use AMP with data "
-        "parallelism, pipelines, gradient accumulation and gradient checkpointing" %
-        " and ".join(refused))
   low = tf.float16 if config.amp.dtype == "float16" else tf.bfloat16
   _, phase = attribute_ops(graph, recorder, graph.version)
   ops = sorted(phase, key=compat.op_id)

@@ -9,7 +9,9 @@ in every model copy of this worker, to the host CPU of the worker that holds the
   persistent copy of any of them;
 * whatever TF keeps with a variable: its reads, initialisers, the replica sync's assigns and
   every op colocated with it (``colocate_with(var)``: the optimizer's update ops);
-* the copy's apply phase (the optimizer's computation and the writes).
+* the copy's apply phase (the optimizer's computation and the writes);
+* epl.amp's casts of a weight to float16 / bfloat16 (amp.level O1): the weight travels to
+  the device in half the bytes.
 
 A forward or backward op on an accelerator that reads a weight receives it from the host in
 each step (TF's send/recv): the copy lives only as long as the step needs it. The gradients
@@ -19,6 +21,8 @@ are computed (and all-reduced) on the devices and travel to the host once per st
 import dataclasses
 import re
 from typing import Tuple
+
+import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
 from epl.op_tables import VARIABLE_OPS
@@ -40,6 +44,14 @@ def _host_of(device, default):
   if not device:
     return default
   return _DEVICE.sub("/device:CPU:0", device) if "/device:" in device else default
+
+
+def _low_precision_casts(read):
+  """epl.amp's casts of a weight's read to float16 / bfloat16: on the host, the weight
+  travels to the device in half the bytes (epl.amp casts per use, so nothing outlives it)."""
+  return [c for t in read.outputs for c in t.consumers()
+          if c.type == "Cast" and c.name.startswith("epl_amp/") and
+          c.outputs[0].dtype.base_dtype in (tf.float16, tf.bfloat16)]
 
 
 def offload(ctx):
@@ -68,6 +80,8 @@ def offload(ctx):
     move(var, host)
     for consumer in var.outputs[0].consumers():   # reads, assigns, initialisers, updates
       move(consumer, host)
+      for cast in _low_precision_casts(consumer):
+        move(cast, host)
   names = {var.name: moved[var] for var in variables}
   for op in graph.get_operations():                # ops TF colocates with a moved variable
     for group in op.colocation_groups():
