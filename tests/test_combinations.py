@@ -25,12 +25,9 @@ FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32
 WORKS = "works"
 ONE_KEY = "one key"              # ZeRO v1 / v2: two values of zero.level
 _MIXED = r"different device_count .* together with %s"
-_ZERO = r"zero.level .* is implemented for data parallelism .*%s"
 REFUSED = {                      # pair -> the refusal's reason (a regex of its message)
     ("split", "offload"): r"offload.level .* with epl.split is not implemented",
     ("split", "mixed"): _MIXED % "epl.split",
-    ("zero_v1", "offload"): _ZERO % "offload.level",
-    ("zero_v2", "offload"): _ZERO % "offload.level",
     ("zero_v1", "mixed"): _MIXED % "zero.level",
     ("zero_v2", "mixed"): _MIXED % "zero.level",
     ("checkpointing", "mixed"): _MIXED % "gradient_checkpoint.type",
@@ -122,10 +119,13 @@ def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair
   _across_workers(pair, tmp_path, mm.variant_for(len(ONE_WORKER) + ACROSS.index(pair)))
 
 
-def test_zero_v2_with_grouped_apply_across_workers_trains_the_local_model(tmp_path):
-  """ZeRO v2 x num_apply_group across 2 workers (#51): each worker groups the updates of the
-  weights its copies own; the others arrive by the owners' broadcast."""
-  _across_workers(("dp_workers", "zero_v2", "apply_groups"), tmp_path)
+@pytest.mark.parametrize("features", [("dp_workers", "zero_v2", "apply_groups"),
+                                      ("dp_workers", "zero_v1", "offload")], ids="+".join)
+def test_zero_cells_built_in_51_across_workers_train_the_local_model(features, tmp_path):
+  """ZeRO v2 x num_apply_group across 2 workers: each worker groups the updates of the
+  weights its copies own, the others arrive by the owners' broadcast. ZeRO v1 x offload
+  (ZeRO-Offload): each worker's host keeps the optimizer state of what it owns."""
+  _across_workers(features, tmp_path)
 
 
 def test_the_recipe_set_at_once_across_workers_trains_the_local_model(tmp_path):

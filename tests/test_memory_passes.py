@@ -117,6 +117,28 @@ def test_offload_without_it_weights_sit_on_the_devices():
       assert run.memory.held(d) > 0, str(run.memory)
 
 
+@pytest.mark.parametrize("level", ["v1", "v2"])
+def test_zero_with_offload_keeps_one_optimizer_state_on_the_host(level):
+  """ZeRO x offload (ZeRO-Offload, #51): the weights, the optimizer state and the update on
+  the host, the state kept once per job instead of once per copy (v2: the weights too); the
+  devices hold nothing between steps; the local model."""
+  local = train(mlp("adam"))
+  runs = {key: train(mlp("adam"), config(2, **dict({"offload.level": "v0"}, **extra)),
+                     initial=local.initial, measure_memory=True)
+          for key, extra in (("offload", {}), (level, {"zero.level": level}))}
+  for run in runs.values():
+    assert_same(run, local)
+    for d in run.memory.devices():
+      if not d.endswith("CPU:0"):
+        assert run.memory.held(d) == 0, str(run.memory)
+  weights = sum(v.nbytes for k, v in local.variables.items()
+                if re.match(r"(dense_\d|logits)/(kernel|bias)$", k))
+  host = {key: max(run.memory.held(d) for d in run.memory.devices() if d.endswith("CPU:0"))
+          for key, run in runs.items()}       # offload alone: 2 copies x (weights + m + v)
+  saved = 2 * weights + (weights if level == "v2" else 0)   # a copy's m and v (v2: + weights)
+  assert host[level] <= host["offload"] - 0.9 * saved, (host, weights)
+
+
 def test_offload_with_amp_trains_the_local_model_and_sends_half_precision_weights():
   """offload x AMP O1 (#51): the weights stay on the host in float32; epl.amp's per-use casts
   run there, so each weight crosses to the device as float16 (half the bytes), and nothing is
@@ -306,25 +328,6 @@ def test_zero_v1_sums_each_gradient_on_its_owner():
   assert len(devices) == 4, devices          # not all on the first device (v0's place)
   for op, bucket in zip(sorted(sums, key=lambda o: o._id), report.buckets):   # built in order
     assert {owners[v] for v in bucket} == {int(op.device[-1]) - 1}, (op.device, bucket)
-
-
-@pytest.mark.parametrize("keys,workers,refused", [
-    ({"zero.level": "v2", "offload.level": "v0"}, 2, r"this job: 2 worker\(s\), offload"),
-    ({"zero.level": "v0", "offload.level": "v0"}, 1, r"this job: 1 worker\(s\), offload"),
-])
-def test_zero_combinations_not_built_are_refused_before_the_rewrite(keys, workers, refused):
-  from epl.cluster import Cluster
-  from epl.errors import NotImplementedYetError
-  from epl.plan.build import build_plan
-  g = tf.Graph()
-  with g.as_default():
-    epl.init(config(1, **keys))
-    _mlp("adam", (8,), 4, FEATURES, True, True)
-    state = epl.Env.get()._state
-    cluster = Cluster(tuple("h%d:1" % w for w in range(workers)), 0, 1, False)
-    with pytest.raises(NotImplementedYetError, match=r"zero.level .* is implemented for data "
-                       r"parallelism \(on one or several workers\).*" + refused):
-      build_plan(g, state.recorder, state.config, cluster)
 
 
 @pytest.mark.parametrize("sparse_as_dense", [False, True])

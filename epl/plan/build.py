@@ -222,12 +222,6 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with different device_count (%s) together with %s are not "
           "implemented yet in epl; give every replicate scope the same device_count" % (
               mixed, " and ".join(together)))
-  if config.zero.level and config.offload.level:
-    raise NotImplementedYetError(
-        "zero.level %r is implemented for data parallelism (on one or several workers), "
-        "without offload.level, in this version of epl (this job: %d worker(s)%s, "
-        "offload.level)" % (config.zero.level, cluster.worker_num,
-                            ", epl.split" if has_split else ""))
   if config.offload.level and has_split:
     raise NotImplementedYetError(
         "offload.level %r with epl.split is not implemented yet in epl (the split parts are "
