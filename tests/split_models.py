@@ -224,12 +224,35 @@ def part_devices(graph):
 
 
 def check_parts_placed(graph):
-  """A split variable's parts sit on several devices (a split that runs all its parts on
-  one device trains the same numbers: parity alone cannot see it)."""
+  """A split variable's parts are used on several devices (a split that runs all its parts
+  on one device trains the same numbers: parity alone cannot see it). The parts sit there
+  too, except with offload.level (then on the host, read by the devices)."""
   for name, devices in part_devices(graph).items():
     if len(devices) > 1:
       # several devices (a weight cut in groups, Q/K/V, has a part of each group on each)
+      if all(d.endswith("CPU:0") for d in devices):           # offloaded: who reads them
+        trained = {v._get_save_slice_info().full_name   # pylint: disable=protected-access
+                   for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)
+                   if v._get_save_slice_info() is not None}  # pylint: disable=protected-access
+        if name not in trained:
+          continue                    # a slot: read by the update only, on the host too
+        devices = [_user_device(graph, name, i) for i in range(len(devices))]
       assert len(set(devices)) > 1 and all(devices), (name, devices)
+
+
+def _user_device(graph, name, i):
+  """The device of the first compute op that reads part ``i`` of split variable ``name``."""
+  parts = [v for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)
+           if v._get_save_slice_info() is not None and     # pylint: disable=protected-access
+           v._get_save_slice_info().full_name == name]     # pylint: disable=protected-access
+  work = list(parts[i].op.outputs[0].consumers())
+  while work:
+    op = work.pop(0)
+    if op.device and not op.device.endswith("CPU:0"):
+      return op.device
+    if op.type in ("Identity", "ReadVariableOp", "Cast"):
+      work.extend(c for t in op.outputs for c in t.consumers())
+  return ""
 
 
 def scopes(trunk_count, split_count):

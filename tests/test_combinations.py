@@ -26,7 +26,6 @@ WORKS = "works"
 ONE_KEY = "one key"              # ZeRO v1 / v2: two values of zero.level
 _MIXED = r"different device_count .* together with %s"
 REFUSED = {                      # pair -> the refusal's reason (a regex of its message)
-    ("split", "offload"): r"offload.level .* with epl.split is not implemented",
     ("split", "mixed"): _MIXED % "epl.split",
     ("zero_v1", "mixed"): _MIXED % "zero.level",
     ("zero_v2", "mixed"): _MIXED % "zero.level",

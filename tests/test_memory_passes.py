@@ -139,6 +139,26 @@ def test_zero_with_offload_keeps_one_optimizer_state_on_the_host(level):
   assert host[level] <= host["offload"] - 0.9 * saved, (host, weights)
 
 
+def test_offload_with_split_keeps_every_part_on_the_host_and_computes_on_the_parts_devices():
+  """offload x epl.split (#51): each part of a split weight lives on the host and is sent
+  to its part's device in the step (the devices hold nothing between steps); the split's
+  compute stays on the parts' devices (sm.check_parts_placed: their readers); the local
+  model."""
+  from tests import matrix_model as mm
+  features = ("split", "offload")
+  data = mm.data(ROWS * STEPS + 3)
+  local = sm.train(lambda: mm.build(features, local=True), data, STEPS, ROWS, race_free=True)
+  run = sm.train(lambda: mm.build(features), data, STEPS, ROWS,
+                 config=epl.Config(mm.config(features)), initial=local.initial,
+                 measure_memory=True)
+  assert_same(run, local)
+  for d in run.memory.devices():
+    if not d.endswith("CPU:0"):
+      assert run.memory.held(d) == 0, str(run.memory)
+  parts = sm.part_devices(run.graph)
+  assert parts and all(d.endswith("CPU:0") for devices in parts.values() for d in devices)
+
+
 def test_offload_with_amp_trains_the_local_model_and_sends_half_precision_weights():
   """offload x AMP O1 (#51): the weights stay on the host in float32; epl.amp's per-use casts
   run there, so each weight crosses to the device as float16 (half the bytes), and nothing is

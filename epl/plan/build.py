@@ -222,11 +222,6 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with different device_count (%s) together with %s are not "
           "implemented yet in epl; give every replicate scope the same device_count" % (
               mixed, " and ".join(together)))
-  if config.offload.level and has_split:
-    raise NotImplementedYetError(
-        "offload.level %r with epl.split is not implemented yet in epl (the split parts are "
-        "what keeps a large weight small per device); unset offload.level" %
-        config.offload.level)
 
 
 def _check_fit(specs, placements, config, cluster):
