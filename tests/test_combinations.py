@@ -24,13 +24,7 @@ AMPLIFY = 20                     # ms: the race amplifier's delay (testing.race_
 FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
 WORKS = "works"
 ONE_KEY = "one key"              # ZeRO v1 / v2: two values of zero.level
-_MIXED = r"different device_count .* together with %s"
-REFUSED = {                      # pair -> the refusal's reason (a regex of its message)
-    ("split", "mixed"): _MIXED % "epl.split",
-    ("zero_v1", "mixed"): _MIXED % "zero.level",
-    ("zero_v2", "mixed"): _MIXED % "zero.level",
-    ("checkpointing", "mixed"): _MIXED % "gradient_checkpoint.type",
-}
+REFUSED = {}   # pair -> the refusal's reason (a regex of its message); none left since #51
 PAIRS = list(itertools.combinations(mm.FEATURES, 2))
 
 
@@ -119,11 +113,13 @@ def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair
 
 
 @pytest.mark.parametrize("features", [("dp_workers", "zero_v2", "apply_groups"),
-                                      ("dp_workers", "zero_v1", "offload")], ids="+".join)
+                                      ("dp_workers", "zero_v1", "offload"),
+                                      ("dp_workers", "zero_v1", "mixed")], ids="+".join)
 def test_zero_cells_built_in_51_across_workers_train_the_local_model(features, tmp_path):
   """ZeRO v2 x num_apply_group across 2 workers: each worker groups the updates of the
   weights its copies own, the others arrive by the owners' broadcast. ZeRO v1 x offload
-  (ZeRO-Offload): each worker's host keeps the optimizer state of what it owns."""
+  (ZeRO-Offload): each worker's host keeps the optimizer state of what it owns. ZeRO v1 x
+  stages on different device counts: a narrower stage's owners are copies that run it."""
   _across_workers(features, tmp_path)
 
 

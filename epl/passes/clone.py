@@ -36,6 +36,13 @@ class NodeDefCache:
     self._nodes = None
 
 
+def live_inputs(op):
+  """``op``'s inputs as NodeDef input strings, read from the graph now: a NodeDefCache entry
+  keeps the inputs the op had when the cache was filled, and passes rewire inputs after that
+  (the bridge's gathers, recomputation, calls' results)."""
+  return [t.name for t in op.inputs] + ["^" + x.name for x in op.control_inputs]
+
+
 def _split_input(name):
   if name.startswith("^"):
     return name[1:], None
@@ -86,6 +93,7 @@ class Cloner:
       node.device = device_fn(op) or ""
       if "_class" in node.attr:
         del node.attr["_class"]              # no colocation with the original
+      node.input[:] = live_inputs(op)
       if edit is not None:
         edit(op, node)
       own = _prefix_free(node)

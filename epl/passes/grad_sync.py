@@ -238,6 +238,8 @@ def _reduce_bucket(ctx, tg, part, bucket, report, channel, root=None):
   worker, plan = ctx.worker, ctx.plan
   copies = bucket[0].copies
   devices = [worker.device_of(c, tg, part) for c in copies]
+  if root is not None:          # the owner copy, among those that run the stage
+    root = list(copies).index(root)
   flats, dense = [], []
   for c, device in enumerate(devices):
     with tf.device(device):

@@ -55,8 +55,10 @@ def assign_owners(ctx):
   loads, owners = {}, {}
   for name in sorted(updates, key=lambda v: (-variable_size(get(v)), v)):
     # per device of the stage: a split TaskGraph's parts each balance their own variables
-    stage = loads.setdefault((ctx.owner.get(get(name)), ctx.plan.part_of(name)),
-                             [0] * len(job))
+    # (only copies that run the stage: a stage on fewer devices runs in some of them)
+    tg = ctx.owner.get(get(name))
+    stage = loads.setdefault((tg, ctx.plan.part_of(name)), [
+        0 if tg is None or ctx.plan.runs_in(copy, tg) else float("inf") for copy in job])
     k = stage.index(min(stage))
     owners[name] = k
     stage[k] += variable_size(get(name))

@@ -12,7 +12,7 @@ from tensorflow.core.framework import function_pb2
 from epl import _tf_compat as compat
 from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
                            VARIABLE_OPS, mutates)
-from epl.passes.clone import own_seeds
+from epl.passes.clone import live_inputs, own_seeds
 
 CALL_ATTR = "_epl_stage_call"
 _STACK_OPS = ("Stack", "TensorArray")
@@ -218,7 +218,7 @@ class Body:
       del node.attr["_class"]                     # no colocation with ops outside the body
     if prefix:
       own_seeds(node, prefix)                     # a copy's own random seeds
-    inputs = list(node.input)
+    inputs = live_inputs(op)
     del node.input[:]
     for text in inputs:
       src, index = _input(text)

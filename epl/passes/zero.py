@@ -137,7 +137,7 @@ def _move_slot(ctx, user, variable, j, device, updates, colocated, mirrored):
     if not op.type.startswith(CHECKPOINT_OPS):     # the Saver's ops stay on the host
       compat.set_device(op, device)
   if j:                                      # the owner's ops use the user's slot
-    clone = mirrored[user.name][j]
+    clone = ctx.clones().op(j, user)      # (mirrored lists only the copies that have it)
     for consumer in list(clone.outputs[0].consumers()):
       for i, t in enumerate(consumer.inputs):
         if t is clone.outputs[0]:
@@ -152,9 +152,9 @@ def _copy_from_owner(ctx, name, j, updates):
   owner_var = clones.op(j, variable)
   owner_updates = [clones.op(j, op) for op in updates]
   for c in range(ctx.worker.num_copies):
-    if c == j:
-      continue
     var_c = clones.op(c, variable)
+    if c == j or var_c is None:        # (a stage on fewer devices has no copy in c)
+      continue
     with graph.as_default(), tf.name_scope(None), tf.device(var_c.device), \
         tf.control_dependencies(owner_updates), tf.name_scope("epl_zero"):
       copied = _assign(var_c, read_var(owner_var))
@@ -200,6 +200,8 @@ def _broadcast_bucket(ctx, key, names, owners, local, updates):
   for v, piece, shape in zip(names, pieces, shapes):
     for c in range(worker.num_copies):
       var_c = clones.op(c, get(v))
+      if var_c is None:                # (a stage on fewer devices has no copy in c)
+        continue
       with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
           tf.device(var_c.device), tf.name_scope("epl_zero"):
         copied = _assign(var_c, tf.reshape(piece, shape))

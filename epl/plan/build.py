@@ -203,8 +203,7 @@ def _placement(spec, total):
 
 
 def _refuse_combinations(specs, placements, config, cluster):
-  """PlanError / NotImplementedYetError for the feature combinations not built."""
-  has_split = any(p.kind == SPLIT for p in placements)
+  """PlanError for the feature combinations that cannot run."""
   counts = [p.devices for p in placements if p.kind == REPLICATE]
   if len(set(counts)) > 1:
     mixed = ", ".join("%s=%d" % (s.name, p.devices) for s, p in zip(specs, placements)
@@ -214,14 +213,6 @@ def _refuse_combinations(specs, placements, config, cluster):
           "replicate scopes with device_count %s: each device_count must divide the largest "
           "(%d), so that every copy of a stage with fewer devices takes the rows of a whole "
           "number of the widest stage's copies; change device_count" % (mixed, max(counts)))
-    together = [name for name, on in (
-        ("epl.split", has_split), ("zero.level", config.zero.level),
-        ("gradient_checkpoint.type", config.gradient_checkpoint.type)) if on]
-    if together:
-      raise NotImplementedYetError(
-          "replicate scopes with different device_count (%s) together with %s are not "
-          "implemented yet in epl; give every replicate scope the same device_count" % (
-              mixed, " and ".join(together)))
 
 
 def _check_fit(specs, placements, config, cluster):
