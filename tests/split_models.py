@@ -230,7 +230,7 @@ def check_parts_placed(graph):
   for name, devices in part_devices(graph).items():
     if len(devices) > 1:
       # several devices (a weight cut in groups, Q/K/V, has a part of each group on each)
-      if all(d.endswith("CPU:0") for d in devices):           # offloaded: who reads them
+      if len(set(devices)) == 1 and devices[0].endswith("CPU:0"):   # offloaded: readers
         trained = {v._get_save_slice_info().full_name   # pylint: disable=protected-access
                    for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)
                    if v._get_save_slice_info() is not None}  # pylint: disable=protected-access
