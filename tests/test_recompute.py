@@ -162,12 +162,18 @@ def test_check_gradients_passes_a_faithful_recompute_and_catches_a_wrong_one(mon
   assert checked.parallel.results["recompute"].check_op is not None
   # a recompute that re-draws the dropout masks (as a naive recompute would) is caught in
   # the first training step
+  redraw_masks(monkeypatch)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="check_gradients"):
+    _train(build, _config(1, **keys), initial=plain.initial)
+
+
+def redraw_masks(monkeypatch):
+  """Makes the recompute pass re-draw dropout masks (as a naive recompute would): random
+  ops no longer count as kept."""
   module = sys.modules["epl.passes.recompute"]
   monkeypatch.setattr(module, "RANDOM_OPS", frozenset())
   monkeypatch.setattr(module, "mutates",
                       lambda op, keep=module.mutates: op.type != "RandomUniform" and keep(op))
-  with pytest.raises(tf.errors.InvalidArgumentError, match="check_gradients"):
-    _train(build, _config(1, **keys), initial=plain.initial)
 
 
 def transformer_stack(layers=4, length=16, model=32, heads=4, stages=None):

@@ -150,8 +150,8 @@ def test_checkpointing_with_dropout_reuses_the_forward_calls_masks_and_checks_it
   call's masks (handed on), so the model is the one trained without checkpointing;
   check_gradients compares forward and recomputed tensors in the first step and catches a
   recompute that draws new masks."""
-  import sys
-  from tests.test_recompute import _assert_same, _config as rc_config, _train as rc_train
+  from tests.test_recompute import (_assert_same, _config as rc_config, _train as rc_train,
+                                    redraw_masks)
   build = _residual(True, 0.3)
   keys = {"pipeline.num_micro_batch": 4, "graph.micro_batches": "functions"}
   plain = rc_train(build, rc_config(2, **keys))
@@ -161,10 +161,7 @@ def test_checkpointing_with_dropout_reuses_the_forward_calls_masks_and_checks_it
   _assert_same(checked, plain)
   assert checked.parallel.results["micro_batch"].calls is not None
   assert checked.parallel.results["recompute"].check_op is not None
-  module = sys.modules["epl.passes.recompute"]
-  monkeypatch.setattr(module, "RANDOM_OPS", frozenset())
-  monkeypatch.setattr(module, "mutates",
-                      lambda op, keep=module.mutates: op.type != "RandomUniform" and keep(op))
+  redraw_masks(monkeypatch)
   with pytest.raises(tf.errors.InvalidArgumentError, match="check_gradients"):
     rc_train(build, rc_config(2, **gc_keys), initial=plain.initial)
 
