@@ -1,7 +1,14 @@
-"""``epl-plan``: plan a pipeline for a layer profile from the command line.
+"""``epl-plan``: plan a pipeline for a layer profile, or a transformer's 3D layout.
 
   epl-plan PROFILE --pbs N --gbs N --devices 8,16 [--cost-model dapple|dapple-published|simulate]
            [--memory 16GiB] [--speeds 1,2] [--json] [--png plan.png]
+  epl-plan --transformer gpt3-175b --cluster selene --gpus 1024 --gbs 1536 [--memory 40GB]
+           [--json] [--png plan.png]
+
+With ``--transformer`` (a published shape's name or a JSON file of
+``epl.plan.auto.transformer.Transformer``'s fields) it chooses tensor x pipeline x data
+parallelism, micro-batches, ZeRO, offload and recomputation (``search3d.plan_3d``) and
+prints the layout, where the step goes, each stage and the Config keys that run it.
 
 Prints a table -- stages, then every device's predicted peak memory -- or, with ``--json``,
 exactly the ``PipelinePlan.to_json_dict()`` object on stdout; progress goes to stderr once
@@ -22,12 +29,17 @@ def parser():
       description="Plan pipeline stages, their devices and the micro-batch count for a "
                   "PipeDream/DAPPLE layer profile (DAPPLE's planner, re-done).",
       epilog="Example: epl-plan vgg-19-pbs-32.txt --pbs 32 --gbs 2048 --devices 8,16")
-  p.add_argument("profile", help="profile file: 'nodeN -- name -- forward_compute_time=...' "
+  p.add_argument("profile", nargs="?", help="profile file: 'nodeN -- name -- forward_compute_time=...' "
                                  "lines and indented 'nodeA -- nodeB' edges")
   p.add_argument("--pbs", type=int, help="batch size the profile was taken at "
                                          "(default: the N of 'pbs-N' in the file name)")
   p.add_argument("--gbs", type=int, required=True, help="global batch size of one step")
-  p.add_argument("--devices", required=True,
+  p.add_argument("--transformer", help="plan a transformer's 3D layout instead: a published "
+                                       "shape (gpt3-175b, megatron-1t, ...) or a JSON file")
+  p.add_argument("--cluster", default="selene", choices=("selene", "v100"),
+                 help="with --transformer: the GPUs (selene: 80-GB A100 DGX nodes)")
+  p.add_argument("--gpus", type=int, help="with --transformer: how many GPUs")
+  p.add_argument("--devices",
                  help="cumulative server boundaries (DAPPLE's seps, e.g. 8,16 = 2 servers x "
                       "8) or SERVERSxDEVICES (e.g. 2x8)")
   p.add_argument("--cost-model", default="dapple",
@@ -88,9 +100,51 @@ class Progress:
     self.stream.flush()
 
 
+def main3d(args):
+  """``--transformer``: the 3D planner."""
+  import dataclasses  # noqa: E402
+  import json  # noqa: E402
+  from epl.plan.auto import render, transformer  # noqa: E402
+  from epl.plan.auto.devices import parse_bytes  # noqa: E402
+  from epl.plan.auto.errors import PlannerError  # noqa: E402
+  from epl.plan.auto.search3d import plan_3d, plan_config  # noqa: E402
+  try:
+    if not args.gpus:
+      raise PlannerError("--transformer needs --gpus (how many GPUs to plan for)")
+    model = transformer.shape(args.transformer)
+    cluster = (transformer.selene if args.cluster == "selene" else
+               transformer.v100_cluster)(args.gpus)
+    if args.memory:
+      cluster = dataclasses.replace(cluster, memory=float(parse_bytes(args.memory)))
+    plan = plan_3d(model, cluster, args.gbs)
+    if args.png:
+      render.save_png3d(plan, model, args.png)
+  except PlannerError as e:
+    sys.stderr.write("epl-plan: error: %s\n" % e)
+    return 2
+  if args.json:
+    best = plan.best
+    sys.stdout.write(json.dumps(dict(
+        model=model.name, gpus=cluster.gpus, batch=args.gbs, tp=best.layout.tp,
+        pp=best.layout.pp, dp=best.layout.dp, rows=best.layout.rows,
+        micro_batches=best.micro_batches, zero=best.layout.zero, offload=best.layout.offload,
+        recompute=list(best.layout.recompute), schedule=best.layout.schedule,
+        step_s=best.step_s, tflops_per_gpu=best.tflops_per_gpu, memory=list(best.memory),
+        config=plan_config(best)), sort_keys=True) + "\n")
+  else:
+    sys.stdout.write(render.table3d(plan, model, cluster) + "\n")
+    if args.png:
+      sys.stdout.write("picture: %s\n" % args.png)
+  return 0
+
+
 def main(argv=None):
   """Entry point; returns the exit status (0, or 2 on a planning error)."""
   args = parser().parse_args(argv)
+  if args.transformer:
+    return main3d(args)
+  if not args.profile or not args.devices:
+    parser().error("a PROFILE and --devices (or --transformer and --gpus) are required")
   from epl.plan.auto.devices import DeviceSpec, parse_bytes, parse_speeds  # noqa: E402
   from epl.plan.auto.errors import PlannerError  # noqa: E402
   from epl.plan.auto.profile import pbs_from_name  # noqa: E402

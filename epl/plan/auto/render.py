@@ -98,3 +98,70 @@ def save_png(plan, spec, path, title=None):
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def table3d(plan, model, cluster):
+  """A 3D plan (``search3d.Plan3D``) as text: the layout, where its step goes, each stage's
+  blocks, recomputation and memory, the runners-up and the Config keys that run it."""
+  from epl.plan.auto.search3d import plan_config    # pylint: disable=import-outside-toplevel
+  best = plan.best
+  layout = best.layout
+  lines = ["%s (%.3gB parameters) on %d x %d GPUs (%s, %.0f GB each):" % (
+      model.name, model.parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.name,
+      cluster.memory / 1e9), "  " + best.describe(), "",
+           "step %.4g s = " % best.step_s + ", ".join(
+               "%s %.3g" % (k, v) for k, v in best.parts.items()) + " (s; compute, tp and pp "
+           "over the slowest stage's micro-batches)", ""]
+  rows = [("stage", "blocks", "recompute", "GPUs", "peak GB")]
+  first = 0
+  for s, layers in enumerate(layout.layers(model)):
+    gpus = layout.tp * layout.dp
+    rows.append((str(s), "%d..%d" % (first, first + layers - 1),
+                 "yes" if layout.recomputes(s) else "no",
+                 "%d-%d" % (s * gpus, (s + 1) * gpus - 1), "%.1f" % (best.memory[s] / 1e9)))
+    first += layers
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  for n, r in enumerate(rows):
+    lines.append("  ".join(v.rjust(widths[c]) for c, v in enumerate(r)))
+    if n == 0:
+      lines.append("  ".join("-" * w for w in widths))
+  lines += ["", "next best of other shapes:"] + ["  " + p.describe() for p in plan.runners_up]
+  lines += ["", "epl.Config: %s" % plan_config(best),
+            "(%d layouts priced in %.2f s)" % (plan.considered, plan.seconds)]
+  return "\n".join(lines)
+
+
+def save_png3d(plan, model, path):
+  """Draws a 3D plan: stages (rows) x data-parallel copies (columns), each cell its ``tp``
+  GPUs, recomputing stages hatched.
+
+  Raises:
+    PlannerError: matplotlib is not installed.
+  """
+  try:
+    import matplotlib                                 # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt              # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise PlannerError("--png needs matplotlib: pip install matplotlib (or epl[plot])") from None
+  layout = plan.best.layout
+  shown = min(layout.dp, 8)
+  fig, ax = plt.subplots(figsize=(2 + 1.2 * shown, 1 + 0.35 * min(layout.pp, 32)))
+  colors = plt.get_cmap("tab10")
+  first = 0
+  for s, layers in enumerate(layout.layers(model)):
+    if s >= 32:
+      break
+    for c in range(shown):
+      ax.barh(s, 1, left=c, color=colors(s % 10), edgecolor="white",
+              hatch="//" if layout.recomputes(s) else None)
+      ax.text(c + 0.05, s, "TP%d: blocks %d-%d" % (layout.tp, first, first + layers - 1),
+              va="center", fontsize=6)
+    first += layers
+  ax.invert_yaxis()
+  ax.set_xlabel("data-parallel copy (%d of %d shown)" % (shown, layout.dp))
+  ax.set_ylabel("pipeline stage")
+  ax.set_title("%s: %s" % (model.name, plan.best.describe()), fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
