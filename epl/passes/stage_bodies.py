@@ -116,6 +116,21 @@ def _shape_only(op, stage, body, added, ctx):
   return True
 
 
+def constants(member, limit=1 << 16):
+  """The body ops whose value is the same in every call: ``Const`` and what is computed from
+  constants alone (a causal mask), up to ``limit`` elements. A body reading one holds its own
+  copy instead of having another body's call hand it on (each result costs a call ~3 us,
+  bench/call_cost.py)."""
+  out = set()
+  for op in sorted(member, key=compat.op_id):
+    if op.control_inputs or op.op_def.is_stateful or op.type in _SHAPE_OPS:
+      continue
+    if op.type == "Const" or op.inputs and all(t.op in out for t in op.inputs) and all(
+        t.shape.is_fully_defined() and t.shape.num_elements() <= limit for t in op.outputs):
+      out.add(op)
+  return out
+
+
 def soft_wait(op, x):
   """True for a wait of ``op`` on ``x`` that only groups gradients (``tf.gradients``' ``tuple``:
   ``group_deps`` waits for every gradient of an op, each ``control_dependency`` for it).
@@ -155,9 +170,18 @@ class Body:
 
   ``weighted``: the row weight's dtype (None: the gradients are summed unweighted)."""
 
-  def __init__(self, key, ops, exported, grads, weighted):
-    self.key, self.ops = key, ops
-    self.names = {op.name for op in ops}
+  def __init__(self, key, ops, exported, grads, weighted, shared=frozenset()):
+    own = set(ops)
+    work = [t.op for op in ops for t in op.inputs if t.op in shared and t.op not in own]
+    self.copied = set()                       # another body's constants, copied in
+    while work:
+      op = work.pop()
+      if op not in own:
+        own.add(op)
+        self.copied.add(op)
+        work.extend(t.op for t in op.inputs)
+    self.key, self.ops = key, sorted(own, key=compat.op_id)
+    self.names = {op.name for op in self.ops}
     self.args, self.controls = [], []              # outside tensors read; outside ops waited
     seen = set()
     for op in ops:
@@ -203,7 +227,8 @@ class Body:
     for op in self.ops:
       outs.update(zip((t.name for t in op.outputs), _output_refs(op)))
     for op in self.ops:
-      self._add_node(fdef, op, nodes.get(op.name), device_fn(op) or "", prefix, outs, ref)
+      device = "" if op in self.copied else device_fn(op) or ""     # copies: the call's
+      self._add_node(fdef, op, nodes.get(op.name), device, prefix, outs, ref)
     for i, t in enumerate(self.results):
       fdef.signature.output_arg.add(name="r%d" % i, type=_enum(t))
       fdef.ret["r%d" % i] = outs[t.name]

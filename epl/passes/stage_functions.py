@@ -40,8 +40,8 @@ import tensorflow.compat.v1 as tf
 from epl import _tf_compat as compat
 from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
-from epl.passes.stage_bodies import (Body, acyclic, call_node, config_proto, cut, seed_source,
-                                    soft_wait)
+from epl.passes.stage_bodies import (Body, acyclic, call_node, config_proto, constants, cut,
+                                    seed_source, soft_wait)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,7 @@ def _exports(ctx, member, idle, parts, dense):
   fetchable = {t for key in graph.get_all_collection_keys()
                for t in graph.get_collection(key) if isinstance(t, tf.Tensor)}
   exported, reads = set(), {k: set() for k in set(member.values())}
+  shared = constants(member)
   for op, key in member.items():
     for t in op.outputs:
       if t in fetchable or (t in parts and t not in dense) or (
@@ -101,6 +102,8 @@ def _exports(ctx, member, idle, parts, dense):
         if other == key:
           continue
         if other is not None:
+          if op in shared:
+            continue                          # the reading body holds its own copy
           reads[other].add(key)
           exported.add(t)
         elif consumer not in idle and not (t in parts and consumer in update):
@@ -157,8 +160,9 @@ def build(ctx, found):
   ops_of = {}
   for op, key in member.items():
     ops_of.setdefault(key, []).append(op)
+  shared = constants(member)
   bodies = {key: Body(key, ops, exported, grads[1],
-                      pieces[0].dtype.base_dtype if pieces else None)
+                      pieces[0].dtype.base_dtype if pieces else None, shared)
             for key, ops in ops_of.items()}
   # every copy's clones read the NodeDefs before any copy's outside ops are rewired to calls
   copies = [_Copy(ctx, c, bodies, member, pre, post, pieces, idle)
