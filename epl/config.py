@@ -149,6 +149,10 @@ KEYS = {k.name: k for k in [
     _k("io.drop_last_files", "bool", False, requires="io.slicing"),
     _k("auto.auto_parallel", "bool", False,
        help="cut an un-annotated model into pipeline.num_stages stages by profiled cost"),
+    _k("auto.device_memory", "str", "",
+       help="memory per device the planner's plan must fit (16GiB, 512MB, bytes); "
+            "auto.auto_parallel then picks stages where data parallelism does not fit",
+       requires="auto.auto_parallel"),
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
     _k("launch.parent_pid", "int", 0,
        help="set by epl-launch: the worker stops when this process (the launcher) is gone"),

@@ -45,6 +45,60 @@ def layer_of(name):
   return parts[0], backward
 
 
+class Layering:
+  """The layers of a model: its top-level name scopes -- or, where one scope holds most of
+  the model (OpenAI's GPT-2: ``model/h0``, ``model/h1``, ..., ``model/ln_f``), that
+  scope's own sub-scopes, each run of ops directly in it (the embedding lookup before
+  ``h0``, the tied logits after ``ln_f``) a layer of its own (``model/~0``, ``model/~1``).
+  ``of(name)``: (layer, backward) of an op name, a backward op by the forward op it
+  differentiates; ``order``: the layers in graph order; ``forward_ops``: {layer: its ops}."""
+
+  def __init__(self, graph, trainable):
+    self.expanded = {}                 # scope -> {direct op name: its run's layer}
+    self.forward_ops, self.order = _layers(graph, trainable, self.of)
+    while len(self.expanded) < 3:
+      sizes = {layer: sum(map(_computes, self.forward_ops[layer])) for layer in self.order}
+      scope = max(self.order, key=sizes.get, default=None)
+      # one scope holding most of the model (not a numbered block: that is a layer already)
+      if scope is None or 2 * sizes[scope] <= sum(sizes.values()) or scope[-1].isdigit():
+        break
+      self.expanded[scope] = _runs(scope, self.forward_ops[scope])
+      forward_ops, order = _layers(graph, trainable, self.of)
+      if len(order) <= len(self.order):
+        del self.expanded[scope]
+        break
+      self.forward_ops, self.order = forward_ops, order
+
+  def of(self, name):
+    layer, backward = layer_of(name)
+    if layer is None or layer not in self.expanded:
+      return layer, backward
+    rest = name.split("/")[1 + backward:]
+    while layer in self.expanded:
+      direct = self.expanded[layer]
+      head = rest[0]
+      if backward and head.endswith("_grad") and layer + "/" + head[:-5] in direct:
+        return direct[layer + "/" + head[:-5]], True
+      if len(rest) == 1 or layer + "/" + head in direct:
+        return direct.get(layer + "/" + head), backward
+      layer, rest = layer + "/" + head, rest[1:]
+    return layer, backward
+
+
+def _runs(scope, ops):
+  """{op name: layer} of the ops directly in ``scope`` (not in a sub-scope): each run of
+  them in creation order, between sub-scopes that compute, is one layer ``scope/~k``."""
+  runs, k, inside = {}, -1, True
+  for op in sorted(ops, key=compat.op_id):
+    if "/" in op.name[len(scope) + 1:]:
+      inside = inside or _computes(op)       # a variable's read or initialiser: no block
+      continue
+    if inside:
+      k, inside = k + 1, False
+    runs[op.name] = "%s/~%d" % (scope, k)
+  return runs
+
+
 def _trace(sess, fetches, feed_dict):
   meta = tf.RunMetadata()
   sess.run(fetches, feed_dict, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
@@ -60,24 +114,26 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
   graph = graph or sess.graph
   trainable = [v.op for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)] \
       if trainable is None else list(trainable)
-  forward_ops, order = _layers(graph, trainable)
+  layering = Layering(graph, trainable)
+  forward_ops, order, of = layering.forward_ops, layering.order, layering.of
   index = {layer: i for i, layer in enumerate(order)}
   crossing = set()                            # (op name, output slot) read by another layer
   for layer in order:
     for op in forward_ops[layer]:
       for t in op.outputs:
-        if any(_reader(c, index) not in (None, layer) for c in t.consumers()):
+        if any(_reader(c, index, of) not in (None, layer) for c in t.consumers()):
           crossing.add((op.name, t.value_index))
-  forward_ms, backward_ms, out_bytes = _timed(sess, fetches, feed_dict, steps, index, crossing)
+  forward_ms, backward_ms, out_bytes = _timed(sess, fetches, feed_dict, steps, index, crossing,
+                                              of)
   params = collections.Counter()
   for var in trainable:
-    layer, _ = layer_of(var.name + "/x")
-    if layer in index:
+    layer = _parameter_layer(var, index, of)
+    if layer is not None:
       shape, dtype = variable_shape(var), variable_dtype(var)
       params[layer] += int(np.prod(shape.as_list())) * dtype.size
   edges = []
   for layer in order:
-    readers = {_reader(c, index) for op in forward_ops[layer] for t in op.outputs
+    readers = {_reader(c, index, of) for op in forward_ops[layer] for t in op.outputs
                for c in t.consumers()} - {None, layer}
     edges += [("node%d" % (index[layer] + 1), "node%d" % (index[r] + 1))
               for r in sorted(readers, key=index.get)]
@@ -88,20 +144,32 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
   return Profile(nodes, tuple(edges))
 
 
-def _layers(graph, trainable):
+def _parameter_layer(var, index, of):
+  """The layer a trained variable's bytes count in: its scope's, else (a variable made
+  directly in an expanded scope, a tied embedding) the first layer that reads it."""
+  layer, _ = of(var.name + "/x")
+  if layer in index:
+    return layer
+  readers = [c for t in var.outputs for r in t.consumers()
+             for c in ([r] + [c for u in r.outputs for c in u.consumers()])]
+  found = [x for x in (_reader(c, index, of) for c in readers) if x is not None]
+  return min(found, key=index.get, default=None)
+
+
+def _layers(graph, trainable, of=layer_of):
   """({layer: its forward ops}, the model's layers in graph order): a layer is a name scope
   holding computing forward ops, not one that updates the trained variables."""
   after = _after_gradients(graph)            # clipping, the optimizer: not model layers
   forward_ops = {}
   for op in graph.get_operations():
-    layer, backward = layer_of(op.name)
+    layer, backward = of(op.name)
     if layer is not None and not backward and op not in after:
       forward_ops.setdefault(layer, []).append(op)
   trained = set(trainable)
   initialisers = {v.initializer for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)} | {
       c for var in trained for c in var.outputs[0].consumers()
       if c.type in ("Assign", "AssignVariableOp") and "/Initializer/" in c.inputs[1].name}
-  updates = {layer_of(op.name)[0] for op in graph.get_operations()      # the optimizer
+  updates = {of(op.name)[0] for op in graph.get_operations()      # the optimizer
              if mutates(op) and op.type not in READ_OPS and op not in initialisers and
              any(t.op in trained for t in op.inputs)}
   order = sorted((layer for layer, ops in forward_ops.items()
@@ -110,7 +178,7 @@ def _layers(graph, trainable):
   return forward_ops, order
 
 
-def _timed(sess, fetches, feed_dict, steps, index, crossing):
+def _timed(sess, fetches, feed_dict, steps, index, crossing, of):
   """Per layer, summed over ``steps`` traced steps (after a warm-up): forward ms, backward
   ms, and bytes of the ``crossing`` outputs."""
   forward_ms, backward_ms = collections.Counter(), collections.Counter()
@@ -122,7 +190,7 @@ def _timed(sess, fetches, feed_dict, steps, index, crossing):
       if "stream:" in dev.device or "memcpy" in dev.device:
         continue
       for n in dev.node_stats:
-        layer, backward = layer_of(n.node_name)
+        layer, backward = of(n.node_name)
         if layer not in index:
           continue
         ms = max(n.op_end_rel_micros - n.op_start_rel_micros, 0) / 1000.0
@@ -148,9 +216,9 @@ def _after_gradients(graph):
   return seen
 
 
-def _reader(op, index):
+def _reader(op, index, of=layer_of):
   """The layer of a forward op among ``index``, else None."""
-  layer, backward = layer_of(op.name)
+  layer, backward = of(op.name)
   return layer if not backward and layer in index else None
 
 

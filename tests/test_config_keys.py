@@ -98,6 +98,7 @@ ALONE = {
     "io.drop_last_files": (True, {"io.slicing": True},
                            "tests/test_multiworker.py::test_io_slicing_each_worker_reads_only_its_files"),
     "auto.auto_parallel": (True, {}, lambda pg, g, l: pg.plan.taskgraphs[0].name == "stage_0"),
+    "auto.device_memory": ("1TB", {"auto.auto_parallel": True}, "tests/test_auto_memory.py::test_a_budget_data_parallelism_cannot_meet_gives_pipeline_stages"),
     "launch.worker_index": (0, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.parent_pid": (1, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.job_id": ("mine", {}, "tests/test_cluster.py::test_a_worker_given_another_jobs_address_fails_at_once_naming_both_jobs"),

@@ -180,10 +180,10 @@ def test_auto_parallel_runs_the_planners_per_stage_device_counts(monkeypatch, ca
   real = auto.plan_pipeline
   asked = []
 
-  def planner(profile, pbs, gbs, devices, cost_model, accept, micro_batches):
+  def planner(profile, pbs, gbs, devices, cost_model, accept, micro_batches, memory):
     asked.append((accept, micro_batches))
     plan = real(profile, pbs, gbs, devices, cost_model=cost_model, accept=accept,
-                micro_batches=micro_batches)
+                micro_batches=micro_batches, memory=memory)
     names = [n.id for n in profile.nodes]
     stages = (auto.Stage(0, 2, tuple(names[:3]), (0, 1, 2)),
               auto.Stage(3, len(names) - 1, tuple(names[3:]), (3,)))

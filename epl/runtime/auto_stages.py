@@ -47,6 +47,10 @@ def annotate_stages(state):
   if k == 0 or k < -1:
     raise PlanError("pipeline.num_stages is %d: give the number of pipeline stages (>= 1) for "
                     "auto.auto_parallel, or leave it unset (-1) to let the planner choose" % k)
+  if k != -1 and config.auto.device_memory:
+    raise PlanError("auto.device_memory=%s is the planner's budget, but pipeline.num_stages=%d "
+                    "fixes the stages without it: drop one of the two keys"
+                    % (config.auto.device_memory, k))
   profile = _profile(graph, recorder)
   counts = None
   if k == -1:
@@ -54,15 +58,17 @@ def annotate_stages(state):
     recorder.micro_batches = micro
   if len(profile.nodes) < k:
     raise PlanError(
-        "auto.auto_parallel: the model has %d layer(s) (top-level name scopes: %s) but "
+        "auto.auto_parallel: the model has %d layer(s) (its name scopes: %s) but "
         "pipeline.num_stages is %d; build the model under name scopes (one per block) or lower "
         "num_stages" % (len(profile.nodes), ", ".join(n.name for n in profile.nodes) or "none",
                         k))
   stages = cut if counts else balance_stages([n.compute_ms for n in profile.nodes], k)
   _, rank = op_ranks(graph, graph.version)
   first = {}
+  layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
+      tf.GraphKeys.TRAINABLE_VARIABLES)])
   for op in graph.get_operations():
-    layer, backward = profiler.layer_of(op.name)
+    layer, backward = layering.of(op.name)
     if layer is not None and not backward:
       first[layer] = min(first.get(layer, rank[op]), rank[op])
   starts = [0] + [first[profile.nodes[a].name] - 1 for a, _ in stages[1:]]
@@ -110,8 +116,15 @@ def _planner_stages(profile, state):
   ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
   among the plans epl runs (``runnable``): (stage count, device_count per stage, each stage's
   (first, last) layer index)."""
-  from epl.plan.auto import DeviceSpec, plan_pipeline
+  from epl.plan.auto import DeviceSpec, PlannerError, plan_pipeline
+  from epl.plan.auto.devices import parse_bytes
   cluster, config = state.cluster, state.config
+  memory = None
+  if config.auto.device_memory:
+    try:
+      memory = parse_bytes(config.auto.device_memory)
+    except PlannerError as e:
+      raise PlanError("auto.device_memory: %s" % e) from None
   per_worker, workers = cluster.gpu_num_per_worker, cluster.worker_num
   devices = DeviceSpec.parse(",".join(str(per_worker * (w + 1)) for w in range(workers)))
   micro = config.pipeline.num_micro_batch
@@ -119,9 +132,15 @@ def _planner_stages(profile, state):
   def micro_batches(counts):           # the data-parallel model's global batch, kept
     layout = epl_layout(counts, per_worker, workers)
     return None if layout is None else sum(layout[1]) * micro
-  plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                       cost_model="simulate", accept=runnable(per_worker, workers),
-                       micro_batches=micro_batches)
+  try:
+    plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
+                         cost_model="simulate", accept=runnable(per_worker, workers),
+                         micro_batches=micro_batches, memory=memory)
+  except PlannerError as e:
+    raise PlanError("auto.auto_parallel: no plan fits auto.device_memory=%s on %d device(s) "
+                    "(%s): raise auto.device_memory, add devices, or lower "
+                    "pipeline.num_micro_batch's rows per micro-batch"
+                    % (config.auto.device_memory, replicas, e)) from None
   k = len(plan.stages)
   copies, counts = epl_layout(plan.replicas, per_worker, workers)
   index = {n.id: i for i, n in enumerate(profile.nodes)}
@@ -131,9 +150,11 @@ def _planner_stages(profile, state):
     cut = balance_stages([n.compute_ms for n in profile.nodes], k)
   log.info("auto.auto_parallel: the planner chose %d stage(s) (%s; %d model replica(s) with "
            "device_count %s, %d micro-batch(es); predicted speedup %.2f, pure data "
-           "parallelism %.2f)", k, ", ".join(str(s) for s in plan.stages), copies,
-           ":".join(str(d) for d in counts), plan.micro_batches, plan.speedup,
-           plan.data_parallel_speedup)
+           "parallelism %.2f; predicted peak %d bytes per device%s)", k,
+           ", ".join(str(s) for s in plan.stages), copies, ":".join(str(d) for d in counts),
+           plan.micro_batches, plan.speedup, plan.data_parallel_speedup,
+           max(plan.peak_memory_per_device),
+           "" if memory is None else ", auto.device_memory %d" % memory)
   return k, counts, cut, plan.micro_batches
 
 

@@ -139,7 +139,8 @@ def parse_bytes(text):
     PlannerError: not a size.
   """
   raw = str(text).strip()
-  units = (("gib", 2 ** 30), ("gb", 1e9), ("mib", 2 ** 20), ("mb", 1e6), ("g", 2 ** 30),
+  units = (("tib", 2 ** 40), ("tb", 1e12), ("gib", 2 ** 30), ("gb", 1e9), ("mib", 2 ** 20),
+           ("mb", 1e6), ("kib", 2 ** 10), ("kb", 1e3), ("g", 2 ** 30),
            ("b", 1))
   low = raw.lower()
   for suffix, scale in units:
