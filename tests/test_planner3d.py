@@ -172,3 +172,63 @@ def test_epl_plan_prints_and_draws_a_transformer_plan(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "epl.plan.auto.cli", "--transformer", "gpt3-175b",
                         "--gpus", "8", "--gbs", "64"], capture_output=True, text=True)
   assert bad.returncode == 2 and "no layout of gpt3-175b" in bad.stderr
+
+
+# --- the planner's own transformer profiles (committed: no DAPPLE data needed) ------------
+from epl.plan.auto import plan_pipeline                                    # noqa: E402
+from epl.plan.auto.profile import Profile                                  # noqa: E402
+from epl.plan.auto.transformer import (ANALYTIC_PROFILES, MEASURED_PROFILE,  # noqa: E402
+                                       measured, profile_path, to_profile)
+
+
+def test_the_committed_analytic_profiles_are_what_the_code_makes():
+  for name, shape_name, cluster, rows in ANALYTIC_PROFILES:
+    with open(profile_path(name)) as f:
+      assert f.read() == to_profile(SHAPES[shape_name], cluster(), rows).dump(), name
+  profile = Profile.load(profile_path("gpt3-6.7b-a100-pbs-1"))
+  g = SHAPES["gpt3-6.7b"]
+  assert [n.name for n in profile.nodes] == ["embed"] + ["h%d" % i for i in range(32)] + ["head"]
+  assert sum(n.parameter_bytes for n in profile.nodes) == pytest.approx(4 * g.parameters)
+
+
+def test_the_committed_measured_profile_is_epl_profilers_per_block():
+  profile = Profile.load(profile_path(MEASURED_PROFILE))
+  names = [n.name for n in profile.nodes]
+  assert names[:7] == ["h%d" % i for i in range(6)] + ["lm_head"]
+  block = Transformer("l6", layers=6, hidden=256, heads=4, seq=32, vocab=512)
+  times = sorted(n.forward_ms + n.backward_ms for n in profile.nodes[:6])
+  assert times[-1] < 2 * times[0]                         # six equal blocks, measured
+  for node in profile.nodes[:6]:
+    assert node.parameter_bytes == 4 * block.block_parameters
+    assert node.activation_bytes == 4 * 8 * 32 * 256          # 8 rows x seq x hidden, float32
+  timed = measured(block, profile, rows=8)
+  assert timed.measured_block_s == pytest.approx(
+      sum(n.forward_ms for n in profile.nodes[:6]) / 6 / 1000 / 8)
+  cpu = dataclasses.replace(selene(8), name="cpu", memory=64e6, efficiency=1.0)
+  plan = plan_3d(timed, cpu, 64, max_tp=4)
+  assert plan.best.fits
+
+
+@pytest.mark.parametrize("name,pbs,devices", [("gpt2-1.5b-v100-pbs-4", 4, "2x4"),
+                                               (MEASURED_PROFILE, 8, "1x8")])
+@pytest.mark.parametrize("model", ["dapple", "simulate"])
+def test_pipeline_planner_on_transformer_profiles(name, pbs, devices, model):
+  """The planner's generic promises on its own profiles: a tighter memory limit is kept and
+  gives more stages, never slower than pure data parallelism, the same input the same plan,
+  ``accept`` keeps to what it allows."""
+  path = profile_path(name)
+  gbs = 16 * pbs
+  free = plan_pipeline(path, pbs, gbs, devices, cost_model=model)
+  assert free.speedup >= free.data_parallel_speedup * (1 - 1e-9)
+  assert plan_pipeline(path, pbs, gbs, devices, cost_model=model) == free
+  limit = 0.6 * max(free.peak_memory_per_device)
+  tight = plan_pipeline(path, pbs, gbs, devices, cost_model=model, memory=limit)
+  assert max(tight.peak_memory_per_device) <= limit
+  assert len(tight.stages) > len(free.stages)
+  assert tight.predicted_iteration_s >= free.predicted_iteration_s * (1 - 1e-12)
+  with pytest.raises(PlannerError, match="nothing fits"):
+    plan_pipeline(path, pbs, gbs, devices, cost_model=model, memory=1e3)
+  two = plan_pipeline(path, pbs, gbs, devices, cost_model=model,
+                      accept=lambda counts: len(counts) == 2)
+  assert len(two.stages) in (1, 2)                  # 2 stages, or data parallelism (faster)
+  assert len(two.stages) == 2 or two.speedup == pytest.approx(two.data_parallel_speedup)

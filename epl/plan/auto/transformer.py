@@ -240,3 +240,56 @@ def megatron_rows() -> Tuple[dict, ...]:
   """The scaling table as dicts: model, tp, pp, gpus, batch, tflops (published)."""
   return tuple(dict(model=SHAPES[r[0]], tp=r[4], pp=r[5], gpus=r[6], batch=r[7],
                     tflops=r[8]) for r in MEGATRON_TABLE)
+
+
+def to_profile(model, cluster, rows):
+  """``model`` as a layer profile (``profile.Profile``, PipeDream/DAPPLE's format) taken at
+  ``rows`` sequences on one GPU of ``cluster``: the embedding, each block, the logits and
+  loss, a chain. Times from FLOPs / sustained FLOP/s (the embedding from its bytes through
+  device memory), backward twice forward; activations the float32 tensor handed on;
+  parameters as epl keeps them (float32; the tied embedding counted once, in the first
+  layer). What ``plan_pipeline`` plans from, with no profile of DAPPLE's needed."""
+  from epl.plan.auto.profile import Node, Profile   # pylint: disable=import-outside-toplevel
+  ms = 1000.0 / cluster.sustained_flops
+  hand_on = 4.0 * model.seq * rows * model.hidden
+  embed_ms = 1000.0 * 2 * hand_on / cluster.hbm_bandwidth
+  layers = [("embed", embed_ms, 4.0 * model.embedding_parameters)]
+  layers += [("h%d" % i, model.flops_per_block(rows) * ms, 4.0 * model.block_parameters)
+             for i in range(model.layers)]
+  layers.append(("head", model.flops_head(rows) * ms, 4.0 * 2 * model.hidden))
+  nodes = tuple(Node("node%d" % (i + 1), name, forward, 2 * forward,
+                     (hand_on if i < len(layers) - 1 else 4.0,), params)
+                for i, (name, forward, params) in enumerate(layers))
+  edges = tuple(("node%d" % i, "node%d" % (i + 1)) for i in range(1, len(nodes)))
+  return Profile(nodes, edges)
+
+
+# The profiles committed beside this module (``profiles/``; bench/transformer_profiles.py
+# writes them): (file name, shape, cluster, rows). The measured one is epl's profiler on a
+# 6-block GPT stack (hidden 256) on this project's CPU machines.
+ANALYTIC_PROFILES = (
+    ("gpt2-1.5b-v100-pbs-4", "gpt2-1.5b", v100_cluster, 4),
+    ("gpt3-6.7b-a100-pbs-1", "gpt3-6.7b", selene, 1),
+    ("gpt3-13b-a100-pbs-1", "gpt3-13b", selene, 1),
+)
+MEASURED_PROFILE = "gpt-l6-h256-cpu-pbs-8"
+
+
+def profile_path(name):
+  """The committed profile ``name`` (a path)."""
+  import os                                          # pylint: disable=import-outside-toplevel
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles", name + ".txt")
+
+
+def measured(model, profile, rows):
+  """``model`` with its block and head times from a profile epl's profiler took at ``rows``
+  sequences: the mean forward time of the layers named like blocks (``h3``, ``layer_3``,
+  ``model/h3``: a name ending in a number), the rest (logits, loss) as the head."""
+  blocks = [n for n in profile.nodes if n.name.rstrip("0123456789") != n.name]
+  if not blocks:
+    raise PlannerError("the profile has no block layers (names ending in a number): %s"
+                       % ", ".join(n.name for n in profile.nodes))
+  block_s = sum(n.forward_ms for n in blocks) / len(blocks) / 1000.0 / rows
+  last = max(profile.nodes.index(n) for n in blocks)
+  head_s = sum(n.forward_ms for n in profile.nodes[last + 1:]) / 1000.0 / rows
+  return model.with_measured(block_s, head_s)
