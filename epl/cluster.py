@@ -67,6 +67,25 @@ class Cluster:
       count = devices_per_worker
     return cls(hosts, index, count, has_gpu)
 
+  @classmethod
+  def from_process(cls, devices_per_worker, environ, visible_gpus):
+    """(cluster, ``scheduler.Placement`` or None): from ``TF_CONFIG`` when set (checked
+    against a scheduler that started a different number of tasks), else from a scheduler's
+    variables (Slurm, MPI: epl.scheduler), else a local job.
+
+    Raises:
+      PlanError: TF_CONFIG is malformed; scheduler variables are, or contradict it.
+    """
+    from epl import scheduler
+    text = environ.get("TF_CONFIG", "")
+    placement = None
+    if text:
+      scheduler.check_tf_config(environ, max(1, len(parse_tf_config(text)[0])))
+    else:
+      placement = scheduler.detect(environ, scheduler.base_port(environ))
+      text = placement.tf_config() if placement is not None else ""
+    return cls.from_environment(devices_per_worker, text, visible_gpus), placement
+
   # --- the public view (epl.Env.get().cluster) -------------------------------------------
   @property
   def worker_num(self):

@@ -61,9 +61,11 @@ def init(config=None):
         "(%s) would be dropped; call epl.init() once, before building the model (or build the "
         "model in a new tf.Graph())" % ", ".join(
             "%r at %s" % (s.name, s.location) for s in previous.recorder.specs))
-  cluster = Cluster.from_environment(config.cluster.devices_per_worker,
-                                     os.environ.get("TF_CONFIG", ""), _visible_gpus())
+  cluster, placement = Cluster.from_process(config.cluster.devices_per_worker, os.environ,
+                                            _visible_gpus())
   _configure_logging(config, cluster)
+  if placement is not None:
+    log.warning("epl.init: the job as %s", placement.describe())
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
     from epl.runtime import server
@@ -77,7 +79,8 @@ def init(config=None):
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
                                cluster.worker_index, limit)):
       started = time.time()
-      job_id = config.launch.job_id or default_job_id(cluster.worker_hosts)
+      job_id = config.launch.job_id or (placement.job_id if placement else "") or \
+          default_job_id(cluster.worker_hosts)
       state.server = server.start_server(cluster)
       server.meet_peers(state.server, cluster, job_id, limit)
       server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),

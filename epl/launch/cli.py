@@ -258,6 +258,8 @@ def main(argv=None):
   args = parser().parse_args(argv)
   settings = settings_from_args(args)
   gpus = _gpus_on_host()
+  if settings.scheduler:
+    print("epl-launch: %s" % settings.scheduler, flush=True)
   print("epl-launch: %d worker(s) x %d device(s); logs in %s%s" % (
       settings.num_workers, settings.gpu_per_worker, os.path.abspath(settings.log_dir),
       "; restarts: at most %d%s" % (settings.max_restarts, " within %d s" %

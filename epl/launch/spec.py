@@ -30,6 +30,8 @@ class Settings:
   restart_window: int = 0          # seconds; 0: restarts count over the whole run
   python: Tuple[str, ...] = ()      # runs a .py script (launch.python); (): the launcher's own
   picked_ports: bool = False         # epl-launch picked the ports (no --machine_list)
+  local_slot: int = 0                # with machine_rank: its index among this host's tasks
+  scheduler: str = ""                # what a scheduler said (Slurm, MPI), printed at start
 
   @property
   def local_hosts(self):
@@ -53,7 +55,8 @@ class WorkerSpec:
 def parser():
   p = argparse.ArgumentParser(
       prog="epl-launch", description="Start an epl training script on every worker.")
-  p.add_argument("--num_workers", type=int, default=1, help="number of workers")
+  p.add_argument("--num_workers", type=int, default=None,
+                 help="number of workers (default 1; under srun / mpirun: the tasks started)")
   p.add_argument("--gpu_per_worker", type=int, default=1,
                  help="accelerators per worker (virtual CPU devices where there is no GPU)")
   p.add_argument("--machine_list", default="",
@@ -189,6 +192,9 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
     fail("--max_restarts must be >= 0")
   if window < 0:
     fail("--restart_window must be >= 0 (0: the whole run)")
+  args = _from_scheduler(args, os.environ if environ is None else environ, port_range, fail)
+  if args.num_workers is None:
+    args.num_workers = 1
   if args.num_workers < 1:
     fail("--num_workers must be >= 1")
   if args.gpu_per_worker < 1:
@@ -225,7 +231,38 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
                   args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
                   port_range, max_restarts, window, python_command(env.python, fail),
-                  picked_ports=not args.machine_list)
+                  picked_ports=not args.machine_list,
+                  local_slot=getattr(args, "local_slot", 0),
+                  scheduler=getattr(args, "scheduler", ""))
+
+
+def _from_scheduler(args, environ, port_range, fail):
+  """The flags a scheduler's variables fill in (epl.scheduler): under srun / mpirun each task
+  runs one epl-launch that starts its own worker of the job -- ``--machine_rank`` its rank,
+  ``--machine_list`` every task's host and port, ``--num_workers`` the tasks. Flags given
+  must agree with the scheduler."""
+  from epl import scheduler                  # pure: no TensorFlow
+  try:
+    placement = scheduler.detect(environ, port_range[0] if port_range else
+                                 scheduler.DEFAULT_PORT, args.machine_list or None)
+  except scheduler.SchedulerError as e:
+    fail(str(e))
+  if placement is None:
+    return args
+  if args.num_workers is not None and args.num_workers != placement.size:
+    fail("--num_workers %d but %s started %d task(s) (each runs one worker): drop "
+         "--num_workers or start %d task(s)" % (args.num_workers, placement.source,
+                                                placement.size, args.num_workers))
+  if args.machine_rank is not None and args.machine_rank != placement.rank:
+    fail("--machine_rank %d but %s says this is task %d" % (args.machine_rank,
+                                                             placement.source, placement.rank))
+  args = argparse.Namespace(**vars(args))
+  args.num_workers, args.machine_rank = placement.size, placement.rank
+  args.machine_list = ",".join(placement.hosts)
+  args.local_slot, args.scheduler = placement.local_rank, placement.describe()
+  if not args.job_id and placement.job_id:
+    args.job_id = placement.job_id
+  return args
 
 
 def python_command(text, fail):
@@ -280,7 +317,7 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
       env["EPL_LOG_LEVEL"] = "debug"         # epl's own DEBUG logs (plan, passes, collectives)
     if gpus_on_host:
       same_host = [i for i in settings.local_ranks]
-      slot = same_host.index(index)
+      slot = settings.local_slot if settings.machine_rank is not None else same_host.index(index)
       first = slot * settings.gpu_per_worker
       env["CUDA_VISIBLE_DEVICES"] = ",".join(
           str(g) for g in range(first, first + settings.gpu_per_worker))

@@ -46,9 +46,12 @@ def available():
 
 
 class Testbed:
-  """``hosts`` network namespaces on a bridge; ``rate``: a cap for every host's link."""
+  """``hosts`` network namespaces on a bridge; ``rate``: a cap for every host's link;
+  ``hostnames``: a name per host that every host resolves to its address (as a cluster's
+  DNS would: Slurm's node names)."""
 
-  def __init__(self, hosts, rate=None, net=None):
+  def __init__(self, hosts, rate=None, net=None, hostnames=()):
+    self.hostnames = tuple(hostnames)
     tag = "%d%d" % (os.getpid() % 10000, int(time.time() * 1000) % 1000)
     self.net = net if net is not None else 100 + os.getpid() % 100
     self.bridge = "eplb%s" % tag
@@ -83,6 +86,7 @@ class Testbed:
       os.makedirs(os.path.join(_ETC, name), exist_ok=True)
       with open(os.path.join(_ETC, name, "hosts"), "w") as f:
         f.write("127.0.0.1 localhost\n%s %s\n" % (address, socket.gethostname()))
+        f.writelines("%s %s\n" % pair for pair in zip(self.addresses, self.hostnames))
     if rate:
       for i in range(len(self.names)):
         self.set_rate(i, rate)

@@ -44,8 +44,8 @@ def main():
   if os.environ.get("TEST_PIECE_BYTES"):
     epl.collectives.PIECE_BYTES = int(os.environ["TEST_PIECE_BYTES"])
   config = epl.Config()
-  cluster = epl.cluster.Cluster.from_environment(
-      config.cluster.devices_per_worker, os.environ.get("TF_CONFIG", ""), 0)
+  cluster, _ = epl.cluster.Cluster.from_process(        # TF_CONFIG, or Slurm's / MPI's
+      config.cluster.devices_per_worker, os.environ, 0)
   counts = [int(c) for c in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
   per, here = sum(counts), cluster.gpu_num_per_worker
   if per > here:     # a replica spans workers: the worker of its first device reads its batch
