@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 
-from epl import scheduler
 from epl.launch.spec import parser, settings_from_args, worker_specs
 from epl.scheduler import SchedulerError, detect, expand_counts, expand_nodelist
 from epl.testing import cluster as testbed
