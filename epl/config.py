@@ -183,6 +183,9 @@ KEYS = {k.name: k for k in [
        help="tests only, the race amplifier: every read of a variable the training step "
             "writes starts this many ms after its inputs are ready, so a write the graph does "
             "not order after it runs first in almost every run (0: off)", unannotated=MOOT),
+    _k("log.summary_dir", "str", "",
+       help="worker 0 writes epl's progress figures and each reported step's breakdown as "
+            "TensorBoard summaries (and the plan's picture) into this directory"),
     _k("log.progress_secs", "int", 30, minimum=0,
        help="worker 0 logs steps/s and samples/s of the parallel step this often (0: off)",
        unannotated=MOOT),

@@ -109,6 +109,7 @@ ALONE = {
     "launch.python": ("python3", {}, "tests/test_launch.py::test_launch_python_is_the_command_a_py_script_runs_with"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
+    "log.summary_dir": ("/tmp/board", {}, "tests/test_board.py::test_a_two_worker_jobs_event_files_hold_epls_scalars_and_the_chiefs_summaries"),
     "testing.race_delay_ms": (20, {}, None),
     "split.gather_fallback": ("refuse", {}, "tests/test_split_rules.py::test_the_strict_key_refuses_a_gather_in_the_step_naming_the_op_and_where"),
     "graph.grappler": ("off", {}, lambda pg, g, l: _merged(pg).graph_options.rewrite_options

@@ -178,20 +178,29 @@ class Progress:
           return tf.add_n([tf.shape(t)[0] for t in pieces], name="epl_step_rows")
     return None
 
+  @property
+  def steps(self):
+    return self._steps
+
   def step(self, rows, report):
     """Counts one training step of ``rows`` samples (None: unknown); logs when ``report``
-    (``due()`` asked before the step ran, so that it could measure its batch)."""
+    (``due()`` asked before the step ran, so that it could measure its batch) and returns
+    the figures logged ({"steps_per_sec": ..., "samples_per_sec": ..., ...}), else None."""
     self._steps += 1
     self._window_steps += 1
     if not report:
-      return
+      return None
     now = self._clock()
     seconds = now - self._started
     rate = self._window_steps / max(seconds, 1e-9)
     text = "step %d: %.1f steps/s" % (self._steps, rate)
+    rates = {"steps_per_sec": rate}
     if rows:
       text += ", %.0f samples/s" % (rate * rows)
+      rates["samples_per_sec"] = rate * rows
       if self.clients > 1:
         text += " (job: %.0f samples/s)" % (rate * rows * self.clients)
+        rates["job_samples_per_sec"] = rate * rows * self.clients
     log.info("%s", text)
     self._started, self._window_steps = now, 0
+    return rates

@@ -31,6 +31,7 @@ import tensorflow.compat.v1 as tf
 from epl.launch import status as launch_status
 from epl.runtime import faults, serve
 from epl.runtime.accumulation import AccumulationRuns
+from epl.runtime.board import Board
 from epl.runtime.feeds import ALL
 from epl.runtime.progress import Progress
 
@@ -75,6 +76,9 @@ class StepChain:
     every = state.config.log.progress_secs if state.cluster.worker_index == 0 else 0
     self._progress = Progress(pg, every, clients=len(plan.clients)) \
         if every and not plan.is_local else None
+    summary_dir = state.config.log.summary_dir
+    self.board = Board(summary_dir, pg) \
+        if summary_dir and self._progress is not None else None
     recomputed = pg.results.get("recompute")
     self._check = (recomputed.check_op, self._trains) \
         if recomputed is not None and recomputed.check_op is not None else None
@@ -128,12 +132,20 @@ class StepChain:
     report = progress.due()
     rows = progress.fed_rows(call.feed_dict) if call.feed_dict else None
     extra = progress.rows_tensor(call.session.graph, call.fetches) if rows is None else None
+    traced = None
+    if report and self.board is not None and call.options is None and \
+        call.run_metadata is None:                    # that one step traced, for the board
+      traced = tf.RunMetadata()
+      call = dataclasses.replace(call, options=tf.RunOptions(
+          trace_level=tf.RunOptions.FULL_TRACE), run_metadata=traced)
     if extra is None:
       result = proceed(call)
     else:
       result, rows = proceed(dataclasses.replace(call, fetches=(call.fetches, extra),
                                                  sums=(extra,)))
-    progress.step(rows, report)
+    rates = progress.step(rows, report)
+    if rates is not None and self.board is not None:
+      self.board.report(progress.steps, rates, traced)
     return result
 
   # ---- every step ------------------------------------------------------------------------
