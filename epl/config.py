@@ -154,6 +154,9 @@ KEYS = {k.name: k for k in [
             "auto.auto_parallel then picks stages where data parallelism does not fit",
        requires="auto.auto_parallel"),
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
+    _k("launch.machine_list", "str", "",
+       help="under mpirun: every rank's host, in rank order (MPI does not tell a process "
+            "where the other ranks run); epl.scheduler"),
     _k("launch.parent_pid", "int", 0,
        help="set by epl-launch: the worker stops when this process (the launcher) is gone"),
     _k("launch.job_id", "str", "",

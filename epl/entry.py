@@ -49,9 +49,8 @@ def init(config=None):
     raise RuntimeStateError(
         "epl.init() needs TensorFlow graph mode, but eager execution is on: call "
         "tf.compat.v1.disable_v2_behavior() (or disable_eager_execution()) before epl.init()")
-  if config is None:
-    config = Config()
-  elif not isinstance(config, Config):
+  config = Config() if config is None else config
+  if not isinstance(config, Config):
     raise RuntimeStateError("epl.init(config): expected an epl.Config, got %r" % (config,))
   graph = tf.get_default_graph()
   previous = Env._current._state if Env._current is not None else None  # pylint: disable=protected-access
@@ -63,9 +62,7 @@ def init(config=None):
             "%r at %s" % (s.name, s.location) for s in previous.recorder.specs))
   cluster, placement = Cluster.from_process(config.cluster.devices_per_worker, os.environ,
                                             _visible_gpus())
-  _configure_logging(config, cluster)
-  if placement is not None:
-    log.warning("epl.init: the job as %s", placement.describe())
+  _configure_logging(config, cluster, placement)
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
     from epl.runtime import server
@@ -79,8 +76,8 @@ def init(config=None):
                            "cluster.startup_timeout=%d s (+15 s); stopping" % (
                                cluster.worker_index, limit)):
       started = time.time()
-      job_id = config.launch.job_id or (placement.job_id if placement else "") or \
-          default_job_id(cluster.worker_hosts)
+      job_id = config.launch.job_id or getattr(placement, "job_id", "") or default_job_id(
+          cluster.worker_hosts)
       state.server = server.start_server(cluster)
       server.meet_peers(state.server, cluster, job_id, limit)
       server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
@@ -123,8 +120,9 @@ def activate(state):
   compat.install(Dispatcher(state))
 
 
-def _configure_logging(config, cluster):
-  """epl's own messages go to stderr at ``log.level``, prefixed with the worker in a job."""
+def _configure_logging(config, cluster, placement=None):
+  """epl's own messages go to stderr at ``log.level``, prefixed with the worker in a job;
+  what a scheduler said about the job (``placement``) is said at start."""
   handler = next((h for h in log.handlers if getattr(h, "_epl", False)), None)
   if handler is None:
     handler = logging.StreamHandler(sys.stderr)
@@ -134,6 +132,8 @@ def _configure_logging(config, cluster):
   prefix = "[epl w%d] " % cluster.worker_index if cluster.distributed else "[epl] "
   handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
   log.setLevel(config.log.level.upper())
+  if placement is not None:
+    log.warning("epl.init: the job as %s", placement.describe())
 
 
 def _state():

@@ -16,7 +16,7 @@ too, must agree with it):
    ``SLURM_LOCALID`` say otherwise (``--distribution=cyclic``) is an error naming the fix.
 
 MPI does not tell a process where the other ranks run: their hosts come from
-``EPL_MACHINE_LIST`` (or epl-launch's ``--machine_list``), one per rank in rank order, else
+``EPL_LAUNCH_MACHINE_LIST`` (or epl-launch's ``--machine_list``), one per rank in rank order, else
 from Slurm's node list when mpirun runs inside a Slurm allocation with as many tasks.
 
 A task's server listens on the base port (``DEFAULT_PORT`` or ``EPL_LAUNCH_PORT_RANGE``'s
@@ -118,6 +118,12 @@ def expand_counts(text):
   return out
 
 
+def _launch(environ):
+  """The launch.* Config keys of ``environ`` (epl.config reads every EPL_ variable)."""
+  from epl.config import Config              # pylint: disable=import-outside-toplevel
+  return Config(environ=environ).launch
+
+
 def _int(environ, name, low=0):
   text = environ.get(name)
   if text is None:
@@ -169,7 +175,7 @@ def _slurm_nodes(environ, size):
 def _hosts_list(text, size, source):
   hosts = [h.strip() for h in text.split(",") if h.strip()]
   if len(hosts) != size:
-    raise SchedulerError("EPL_MACHINE_LIST names %d host(s) but %s started %d task(s): name "
+    raise SchedulerError("EPL_LAUNCH_MACHINE_LIST names %d host(s) but %s started %d task(s): name "
                          "every rank's host, in rank order" % (len(hosts), source, size))
   return hosts
 
@@ -221,7 +227,7 @@ def tasks(environ):
 def detect(environ, base_port=DEFAULT_PORT, machine_list=None) -> Optional[Placement]:
   """This process's ``Placement`` from the scheduler's variables (see the module docstring),
   or None when no scheduler started it (or only one task). ``machine_list``: every rank's
-  host (epl-launch's ``--machine_list``), else ``EPL_MACHINE_LIST``.
+  host (epl-launch's ``--machine_list``), else ``EPL_LAUNCH_MACHINE_LIST``.
 
   Raises:
     SchedulerError: malformed or contradicting variables, a rank outside the job, MPI
@@ -233,7 +239,7 @@ def detect(environ, base_port=DEFAULT_PORT, machine_list=None) -> Optional[Place
   source, rank, size, local = found
   if size == 1:
     return None
-  listed = machine_list or environ.get("EPL_MACHINE_LIST")
+  listed = machine_list or _launch(environ).machine_list
   slurm = _slurm_nodes(environ, size) if (source == "Slurm" or not listed) else None
   if listed:
     names = _hosts_list(listed, size, source)
@@ -244,7 +250,7 @@ def detect(environ, base_port=DEFAULT_PORT, machine_list=None) -> Optional[Place
     raise SchedulerError(
         "%s started this process as task %d of %d but does not tell it where the other "
         "tasks run: give every rank's host in rank order with epl-launch --machine_list or "
-        "EPL_MACHINE_LIST (e.g. mpirun -x EPL_MACHINE_LIST=node01,node01,node02,node02 ...)"
+        "EPL_LAUNCH_MACHINE_LIST (e.g. mpirun -x EPL_LAUNCH_MACHINE_LIST=node01,node01,node02,node02 ...)"
         % (source, rank, size))
   if source == "Slurm" and slurm is not None:
     node_id, local_id = _int(environ, "SLURM_NODEID"), local
@@ -274,7 +280,7 @@ def check_tf_config(environ, workers):
   Raises:
     SchedulerError: the two disagree.
   """
-  if environ.get("EPL_LAUNCH_WORKER_INDEX") is not None:
+  if _launch(environ).worker_index >= 0:
     return                                     # epl-launch's worker: its TF_CONFIG rules
   found = tasks(environ)
   if found is not None and found[2] != workers:
@@ -287,7 +293,7 @@ def check_tf_config(environ, workers):
 def base_port(environ):
   """The first port of a scheduler's tasks: EPL_LAUNCH_PORT_RANGE's low end, else
   ``DEFAULT_PORT``."""
-  text = environ.get("EPL_LAUNCH_PORT_RANGE", "")
+  text = _launch(environ).port_range
   try:
     return int(text.split("-")[0]) if text else DEFAULT_PORT
   except ValueError:

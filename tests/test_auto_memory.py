@@ -13,7 +13,7 @@ import epl
 from tests import split_models as sm
 from tests.real_scripts import gpt2_lm
 
-ROWS, STEPS = 32, 3
+ROWS, STEPS = 128, 3
 
 
 def _gpt2(grads):

@@ -101,6 +101,7 @@ ALONE = {
     "auto.device_memory": ("1TB", {"auto.auto_parallel": True}, "tests/test_auto_memory.py::test_a_budget_data_parallelism_cannot_meet_gives_pipeline_stages"),
     "launch.worker_index": (0, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.parent_pid": (1, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
+    "launch.machine_list": ("a,b", {}, "tests/test_scheduler.py::test_mpirun_epl_launch_two_ranks_on_one_host_train_the_local_model"),
     "launch.job_id": ("mine", {}, "tests/test_cluster.py::test_a_worker_given_another_jobs_address_fails_at_once_naming_both_jobs"),
     "launch.attempt": (1, {}, "tests/test_restarts.py::test_a_worker_killed_mid_training_is_restarted_and_trains_the_uninterrupted_model"),
     "launch.status_file": ("s", {}, "tests/test_restarts.py::test_a_config_error_is_not_restarted"),

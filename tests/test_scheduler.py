@@ -91,16 +91,16 @@ def test_bad_or_contradicting_scheduler_variables_are_one_clear_error(change, ma
 
 def test_mpi_takes_its_hosts_from_the_machine_list_and_checks_the_local_ranks():
   with pytest.raises(SchedulerError, match="does not tell it where the other tasks run.*"
-                                           "EPL_MACHINE_LIST"):
+                                           "EPL_LAUNCH_MACHINE_LIST"):
     detect(ompi(1, 4, 1, 2))
-  p = detect(dict(ompi(3, 4, 1, 2), EPL_MACHINE_LIST="a,a,b,b"), base_port=100)
+  p = detect(dict(ompi(3, 4, 1, 2), EPL_LAUNCH_MACHINE_LIST="a,a,b,b"), base_port=100)
   assert p.hosts == ("a:100", "a:101", "b:100", "b:101") and p.source == "Open MPI"
   with pytest.raises(SchedulerError, match="list the hosts in rank order"):
-    detect(dict(ompi(2, 4, 1, 2), EPL_MACHINE_LIST="a,a,b,b"))
+    detect(dict(ompi(2, 4, 1, 2), EPL_LAUNCH_MACHINE_LIST="a,a,b,b"))
   with pytest.raises(SchedulerError, match="names 3 host\\(s\\) but Open MPI started 4"):
-    detect(dict(ompi(2, 4, 0, 2), EPL_MACHINE_LIST="a,b,c"))
+    detect(dict(ompi(2, 4, 0, 2), EPL_LAUNCH_MACHINE_LIST="a,b,c"))
   p = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0",
-              "EPL_MACHINE_LIST": "x:5,y:5"})
+              "EPL_LAUNCH_MACHINE_LIST": "x:5,y:5"})
   assert (p.source, p.hosts) == ("PMI", ("x:5", "y:5"))
   # mpirun inside a Slurm allocation of as many tasks: Slurm's node list names the hosts
   env = dict(ompi(1, 2, 0, 1), SLURM_JOB_NODELIST="node[01-02]", SLURM_TASKS_PER_NODE="1(x2)")
@@ -192,7 +192,7 @@ def test_mpirun_epl_launch_two_ranks_on_one_host_train_the_local_model(tmp_path)
   procs = [subprocess.Popen(
       [sys.executable, "-m", "epl.launch.cli", "--gpu_per_worker", "1", "--log_dir",
        str(tmp_path / ("logs_%d" % r)), WORKER, str(tmp_path), "mlp", str(steps), str(batch)],
-      env=_clean_env(dict(ompi(r, 2, r, 2), EPL_MACHINE_LIST="localhost,localhost",
+      env=_clean_env(dict(ompi(r, 2, r, 2), EPL_LAUNCH_MACHINE_LIST="localhost,localhost",
                           EPL_LAUNCH_PORT_RANGE="%d-%d" % (base, base + 9))),
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) for r in range(2)]
   codes, outs = _run_all(procs)
