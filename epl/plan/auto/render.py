@@ -58,18 +58,24 @@ def memory_table(plan, spec=None):
                    ["  %s  %s" % (label.ljust(pad), values) for label, values in rows])
 
 
-def save_png(plan, spec, path, title=None):
-  """Draws devices (x, grouped by server) x stages (colour) into ``path``.
-
-  Raises:
-    PlannerError: matplotlib is not installed.
-  """
+def _pyplot():
+  """matplotlib's pyplot on the Agg backend; PlannerError when matplotlib is absent."""
   try:
     import matplotlib                                 # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt              # pylint: disable=import-outside-toplevel
   except ImportError:
     raise PlannerError("--png needs matplotlib: pip install matplotlib (or epl[plot])") from None
+  return plt
+
+
+def save_png(plan, spec, path, title=None):
+  """Draws devices (x, grouped by server) x stages (colour) into ``path``.
+
+  Raises:
+    PlannerError: matplotlib is not installed.
+  """
+  plt = _pyplot()
   n = spec.num_devices
   stage_of = {d: i for i, s in enumerate(plan.stages) for d in s.devices}
   fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * n + 2), 1.2 + 0.5 * len(plan.stages)))
@@ -138,12 +144,7 @@ def save_png3d(plan, model, path):
   Raises:
     PlannerError: matplotlib is not installed.
   """
-  try:
-    import matplotlib                                 # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt              # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise PlannerError("--png needs matplotlib: pip install matplotlib (or epl[plot])") from None
+  plt = _pyplot()
   layout = plan.best.layout
   shown = min(layout.dp, 8)
   fig, ax = plt.subplots(figsize=(2 + 1.2 * shown, 1 + 0.35 * min(layout.pp, 32)))
