@@ -94,7 +94,8 @@ def test_a_rejected_step_runs_again_exactly_whichever_worker_and_however_often(
   runs race the next step's collective whatever the delays (3 times in ~10 suite runs under
   load, "Delete called on non-empty BufRendezvous" at the next step, also with both workers a
   second late to it), the unrecoverable case again; with TF's ids it happens about once per
-  1.8 billion steps (43,000 squared), and epl's own request ids (the default) remove it with the rest."""
+  1.8 billion steps (43,000 squared), and epl's own request ids (the default) remove it with
+  the rest."""
   reject = {"0": {"4": 1, "16": 2}, "1": {"8": 1, "20": 1}}
   # the peer is late by a second: a rejected run and its rerun took over 0.2 s under load (the
   # peer's collective then waited on the rejected worker: the unrecoverable case below)
