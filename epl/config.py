@@ -175,6 +175,12 @@ KEYS = {k.name: k for k in [
     _k("launch.python", "str", "",
        help="the command epl-launch runs a .py script with: an interpreter and its options, "
             "split as a shell would (default: epl-launch's own interpreter)"),
+    _k("launch.elastic_workers", "int", 0, minimum=0,
+       help="set by epl-launch --min_workers: the workers the elastic job started with; on "
+            "fewer, pipeline.num_micro_batch grows by that ratio (the global batch is kept)"),
+    _k("launch.resize_file", "str", "",
+       help="set by epl-launch --min_workers: when this file exists, the chief stops (exit "
+            "code 75) after its next checkpoint, so the job can grow back"),
     _k("launch.port_range", "str", "",
        help="epl-launch --port_range LOW-HIGH: the ports the workers' servers may use"),
     _k("split.gather_fallback", "str", "allow", ("allow", "refuse"),

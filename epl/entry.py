@@ -19,7 +19,7 @@ from epl.collections_api import check_key
 from epl.config import Config
 from epl.env import Env
 from epl.errors import RuntimeStateError
-from epl.runtime import driver, heartbeat, watchdog
+from epl.runtime import driver, elastic, heartbeat, watchdog
 from epl.runtime.hooks import Dispatcher
 from epl.runtime.state import GraphState
 
@@ -28,6 +28,29 @@ log = logging.getLogger("epl")
 
 def _visible_gpus():
   return len(tf.config.list_physical_devices("GPU"))
+
+
+def _start_job(state, placement):
+  """A multi-worker job: TF's hooks, this worker's server, every peer met at the barrier."""
+  from epl.runtime import server
+  config, cluster = state.config, state.cluster
+  # TF's hooks go in before the first cross-worker step (the startup below runs steps)
+  for on, install, without in _NATIVE_HOOKS:
+    why = install(config.communication.native_hooks_untested_tf) if on(config) else None
+    if why:
+      log.warning(without, why)
+  limit = config.cluster.startup_timeout
+  with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
+                         "cluster.startup_timeout=%d s (+15 s); stopping" % (
+                             cluster.worker_index, limit)):
+    started = time.time()
+    job_id = config.launch.job_id or getattr(placement, "job_id", "") or default_job_id(
+        cluster.worker_hosts)
+    state.server = server.start_server(cluster)
+    server.meet_peers(state.server, cluster, job_id, limit)
+    server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
+                   instance=server.next_barrier())
+    server.publish(state.server, cluster, job_id, server.RUNNING)
 
 
 def init(config=None):
@@ -63,26 +86,10 @@ def init(config=None):
   cluster, placement = Cluster.from_process(config.cluster.devices_per_worker, os.environ,
                                             _visible_gpus())
   _configure_logging(config, cluster, placement)
+  config = elastic.keep_global_batch(config, cluster.worker_num)
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
-    from epl.runtime import server
-    # TF's hooks go in before the first cross-worker step (the startup below runs steps)
-    for on, install, without in _NATIVE_HOOKS:
-      why = install(config.communication.native_hooks_untested_tf) if on(config) else None
-      if why:
-        log.warning(without, why)
-    limit = config.cluster.startup_timeout
-    with watchdog.deadline(limit + 15, "worker %d: the job did not start within "
-                           "cluster.startup_timeout=%d s (+15 s); stopping" % (
-                               cluster.worker_index, limit)):
-      started = time.time()
-      job_id = config.launch.job_id or getattr(placement, "job_id", "") or default_job_id(
-          cluster.worker_hosts)
-      state.server = server.start_server(cluster)
-      server.meet_peers(state.server, cluster, job_id, limit)
-      server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
-                     instance=server.next_barrier())
-      server.publish(state.server, cluster, job_id, server.RUNNING)
+    _start_job(state, placement)
   activate(state)
   if config.launch.parent_pid:
     watchdog.watch_launcher(config.launch.parent_pid)

@@ -108,6 +108,8 @@ ALONE = {
     "launch.max_restarts": (2, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
     "launch.restart_window": (60, {}, "tests/test_launch.py::test_port_range_job_id_and_restart_flags"),
     "launch.python": ("python3", {}, "tests/test_launch.py::test_launch_python_is_the_command_a_py_script_runs_with"),
+    "launch.elastic_workers": (3, {}, "tests/test_elastic.py::test_a_job_that_loses_a_host_trains_on_and_grows_back_to_the_same_model"),
+    "launch.resize_file": ("r", {}, "tests/test_elastic.py::test_a_job_that_loses_a_host_trains_on_and_grows_back_to_the_same_model"),
     "launch.port_range": ("30000-30009", {}, "tests/test_cluster.py::test_epl_launch_prints_its_ports_and_keeps_to_the_port_range"),
     "log.progress_secs": (5, {}, None),
     "log.summary_dir": ("/tmp/board", {}, "tests/test_board.py::test_a_two_worker_jobs_event_files_hold_epls_scalars_and_the_chiefs_summaries"),

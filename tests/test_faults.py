@@ -300,3 +300,17 @@ def test_a_reset_connection_asks_the_peer_again_before_calling_it_reachable(monk
   ended = str(faults.peer_error(reset, cluster, 300, ended_peers=lambda: {1: (7, 1)}))
   assert "worker 1 ended (exit code 1) at step 7" in ended
   assert asked == ["b:2"] * 3                       # once each: nobody was asked again
+
+
+def test_a_connection_to_itself_is_not_a_listener(monkeypatch):
+  """Nobody listens on the port; a connection whose source port the kernel picked equal to it
+  connects to itself (forced here by binding the source): reachable() must say no."""
+  from epl.launch.spec import free_ports
+  from epl.runtime import faults
+  address = ("127.0.0.1", free_ports(1)[0])
+  with socket.create_connection(address, 2, source_address=address) as s:
+    assert s.getsockname() == s.getpeername()            # the case exists
+  real = socket.create_connection
+  monkeypatch.setattr(faults.socket, "create_connection",
+                      lambda addr, timeout=None: real(addr, timeout, source_address=addr))
+  assert not faults.reachable("%s:%d" % address)

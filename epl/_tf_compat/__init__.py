@@ -31,7 +31,8 @@ Two kinds of things live here:
     training.saver.Saver.save                only the chief writes checkpoints, even when every
                                              worker's script passes is_chief=True; a failed
                                              save (a full disk) leaves no partial files and
-                                             names the path
+                                             names the path; an elastic job's chief stops
+                                             after a save when the job grows back
     training.saver.Saver.build               a hand-written optimizer's slots of a split
                                              variable's parts are saved as slices of the whole
                                              variable's slot (split_variables

@@ -23,9 +23,11 @@ def saver_save_hook(original):
     if not _state.listener.is_chief(sess.graph):
       return save_path                     # the chief writes the shared checkpoint
     try:
-      return original(*args, **kwargs)
+      saved = original(*args, **kwargs)
     except _errors.OpError as e:           # a full disk: no half-written checkpoint stays
       raise _state.listener.save_failed(save_path, e) from e
+    _state.listener.saved(saved)           # an elastic job may stop here to grow back
+    return saved
   return save
 
 

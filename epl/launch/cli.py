@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from epl.launch import status, steps
+from epl.launch import elastic, status, steps
 from epl.launch.guard import Guard
 from epl.launch.guard import alive as _group_alive
 from epl.launch.console import NoiseFilter, describe_exit, last_traceback, prefixed
@@ -289,45 +289,45 @@ def _run(settings, gpus, running, guard=None):
   ``running`` holds the current run's Job for ``main`` to stop on an interrupt."""
   budget = Restarts(settings.max_restarts, settings.restart_window)
   attempt = restarts = races = 0            # starts so far, restarts, port races retried
+  resizer = elastic.Resizer(settings, lambda line: print(line, flush=True)) \
+      if settings.min_workers else None
   while True:
+    if resizer is not None:
+      settings = resizer.settings()
     if attempt and settings.local_hosts:                 # fresh ports for the new start
       settings = dataclasses.replace(settings, hosts=tuple(
           "localhost:%d" % p for p in free_ports(settings.num_workers, settings.port_range)))
-    print(_listening(settings), flush=True)
-    specs = worker_specs(settings, os.environ, gpus_on_host=gpus, launcher_pid=os.getpid(),
-                         attempt=attempt)
-    job = Job(specs, debug=settings.debug, status_files={
-        i: status_path(settings, i) for i in settings.local_ranks}, guard=guard)
-    running[:] = [job]
-    job.start()
-
-    def on_status(index, event, restarts=restarts, job=job):
-      if restarts and event.get("event") == status.RUNNING and event.get("global_step") \
-          is not None and index == min(job.specs):
-        job._say("epl-launch: restart %d resumed at global_step %s" % (
-            restarts, event["global_step"]))
-    code = job.watch(on_status=on_status)
+    job, code = _start(settings, gpus, attempt, restarts, running, guard)
     if code == 0:
+      if resizer is not None:
+        resizer.finish(elastic.DONE)
       print("epl-launch: all workers finished%s; logs in %s" % (
           " (after %d restart(s))" % restarts if restarts else "",
           os.path.abspath(settings.log_dir)), flush=True)
       return 0
     index, exit_code = job.failure
-    sys.stderr.write(job.summary())
+    resize = resizer is not None and exit_code == elastic.RESIZE_EXIT
+    if not resize:
+      sys.stderr.write(job.summary())
     error = failed_with(job.log_text(index))
     attempt += 1
+    if resizer is not None:
+      # only an error that repeats on every start ends an elastic job: a run that failed
+      # before its first step may have met a host that was going
+      code = resizer.after_run(resize, "" if resize else restart_refused(
+          exit_code, error, True), budget)
+      if code is not None:
+        return code
+      restarts += not resize
+      time.sleep(RESTART_PAUSE)
+      continue
     if port_raced(settings, error, job.ran()) and races < PORT_RACES:
       races += 1
       print("epl-launch: worker %d found a port epl-launch picked taken by another process "
             "(%s); starting every worker again on fresh ports (%d of at most %d)" % (
                 index, error, races, PORT_RACES), flush=True)
       continue
-    refused = restart_refused(exit_code, error, job.ran()) \
-        if settings.max_restarts else "no --max_restarts"
-    if not refused and not budget.allow():
-      refused = "--max_restarts %d reached%s" % (
-          settings.max_restarts, " within %d s" % settings.restart_window
-          if settings.restart_window else "")
+    refused = _refused(settings, budget, exit_code, error, job.ran())
     if refused:
       print("epl-launch: failed%s; logs in %s" % (
           "" if not settings.max_restarts else " (not restarted: %s)" % refused,
@@ -339,6 +339,34 @@ def _run(settings, gpus, running, guard=None):
               restarts, settings.max_restarts, index, describe_exit(exit_code)), flush=True)
     time.sleep(RESTART_PAUSE)
 
+
+def _start(settings, gpus, attempt, restarts, running, guard):
+  """Starts one run of the job and watches it to its end: (its Job, 0 or 1)."""
+  print(_listening(settings), flush=True)
+  specs = worker_specs(settings, os.environ, gpus_on_host=gpus, launcher_pid=os.getpid(),
+                       attempt=attempt)
+  job = Job(specs, debug=settings.debug, status_files={
+      i: status_path(settings, i) for i in settings.local_ranks}, guard=guard)
+  running[:] = [job]
+  job.start()
+
+  def on_status(index, event):
+    if restarts and event.get("event") == status.RUNNING and event.get("global_step") \
+        is not None and index == min(job.specs):
+      job._say("epl-launch: restart %d resumed at global_step %s" % (
+          restarts, event["global_step"]))
+  return job, job.watch(on_status=on_status)
+
+
+def _refused(settings, budget, exit_code, error, ran):
+  """Why the failed job is not started again ("": it is, and takes one restart)."""
+  refused = restart_refused(exit_code, error, ran) \
+      if settings.max_restarts else "no --max_restarts"
+  if not refused and not budget.allow():
+    refused = "--max_restarts %d reached%s" % (
+        settings.max_restarts, " within %d s" % settings.restart_window
+        if settings.restart_window else "")
+  return refused
 
 
 RESTART_PAUSE = 1.0           # seconds between a failed run and the restart

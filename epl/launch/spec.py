@@ -32,6 +32,10 @@ class Settings:
   picked_ports: bool = False         # epl-launch picked the ports (no --machine_list)
   local_slot: int = 0                # with machine_rank: its index among this host's tasks
   scheduler: str = ""                # what a scheduler said (Slurm, MPI), printed at start
+  min_workers: int = 0               # elastic (--min_workers): the fewest hosts it trains on
+  host_timeout: int = 60             # elastic: seconds a silent host has before it is dropped
+  elastic_workers: int = 0           # elastic: the workers the job started with
+  resize_file: str = ""              # elastic: the chief stops after a checkpoint when it exists
 
   @property
   def local_hosts(self):
@@ -79,6 +83,13 @@ def parser():
   p.add_argument("--restart_window", type=int, default=None, metavar="SECONDS",
                  help="count --max_restarts over the last SECONDS only (default 0: the whole "
                       "run)")
+  p.add_argument("--min_workers", type=int, default=None,
+                 help="elastic job: when hosts are lost for good, go on with the hosts left "
+                      "if at least this many (the last checkpoint restored, the global batch "
+                      "kept), and grow back when they return; one epl-launch per host "
+                      "(--machine_rank or a scheduler)")
+  p.add_argument("--host_timeout", type=int, default=60, metavar="SECONDS",
+                 help="elastic job: a host silent this long is dropped (default 60)")
   p.add_argument("script", help="a .py runs under python, anything else under bash")
   p.add_argument("script_args", nargs=argparse.REMAINDER)
   return p
@@ -228,12 +239,31 @@ def settings_from_args(args, pick_ports=free_ports, environ=None):
       default_job_id(hosts) if args.machine_list else "job-" + os.urandom(5).hex())
   if not all(c.isalnum() or c in "-_." for c in job_id):
     fail("--job_id %r: use letters, digits, '-', '_' and '.'" % job_id)
+  elastic = _elastic(args, fail)
   return Settings(args.num_workers, args.gpu_per_worker, tuple(hosts), args.machine_rank,
                   args.log_dir, args.debug, args.script, tuple(args.script_args), job_id,
                   port_range, max_restarts, window, python_command(env.python, fail),
                   picked_ports=not args.machine_list,
                   local_slot=getattr(args, "local_slot", 0),
-                  scheduler=getattr(args, "scheduler", ""))
+                  scheduler=getattr(args, "scheduler", ""), **elastic)
+
+
+def _elastic(args, fail):
+  """The Settings fields of --min_workers / --host_timeout ({} without --min_workers)."""
+  if args.min_workers is None:
+    return {}
+  if args.machine_rank is None:
+    fail("--min_workers needs one epl-launch per host (--machine_list with --machine_rank, "
+         "or srun / mpirun): the launchers of the hosts left agree on the next layout")
+  if not 1 <= args.min_workers <= args.num_workers:
+    fail("--min_workers %d: expected 1 to %d (--num_workers)" % (args.min_workers,
+                                                                 args.num_workers))
+  if args.host_timeout < 1:
+    fail("--host_timeout must be >= 1 second")
+  rank = args.machine_rank
+  return {"min_workers": args.min_workers, "host_timeout": args.host_timeout,
+          "elastic_workers": args.num_workers,
+          "resize_file": os.path.abspath(os.path.join(args.log_dir, "resize.%d" % rank))}
 
 
 def _from_scheduler(args, environ, port_range, fail):
@@ -310,6 +340,9 @@ def worker_specs(settings, base_env, python=sys.executable, gpus_on_host=0, laun
     env["EPL_LAUNCH_JOB_ID"] = settings.job_id
     env["EPL_LAUNCH_ATTEMPT"] = str(attempt)
     env["EPL_LAUNCH_STATUS_FILE"] = os.path.abspath(status_path(settings, index))
+    if settings.elastic_workers:
+      env["EPL_LAUNCH_ELASTIC_WORKERS"] = str(settings.elastic_workers)
+      env["EPL_LAUNCH_RESIZE_FILE"] = settings.resize_file
     if launcher_pid is not None:
       env["EPL_LAUNCH_PARENT_PID"] = str(launcher_pid)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if settings.debug else "2")

@@ -99,10 +99,14 @@ def with_reruns(run, reruns, on_rerun):
 
 
 def reachable(address, timeout=2.0):
+  """True when something listens on ``address`` (host:port). A connection to a local port
+  nobody listens on can connect to itself (TCP's simultaneous open, when the kernel picks
+  that very port as the source: epl-launch's ports on localhost are in the ephemeral range);
+  such a connection is not a listener."""
   host, port = address.rsplit(":", 1)
   try:
-    with socket.create_connection((host, int(port)), timeout=timeout):
-      return True
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+      return s.getsockname() != s.getpeername()
   except OSError:
     return False
 

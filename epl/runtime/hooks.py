@@ -17,7 +17,7 @@ from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
 from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
-from epl.runtime import checkpoints, driver, serve
+from epl.runtime import checkpoints, driver, elastic, serve
 from epl.runtime.session_config import session_config
 from epl.runtime.step import StepCall, StepChain
 
@@ -50,6 +50,12 @@ class Dispatcher:
 
   def save_failed(self, path, error):
     return checkpoints.after_failed_save(path, error)
+
+  def saved(self, path):
+    if self._chain is not None and elastic.resize_asked(self.state.config, self.is_chief(None)):
+      self._chain.stop_before_next_step(
+          "saved %s; stopping before the next step for the elastic job to grow back "
+          "(epl-launch starts every host again from this checkpoint)" % path)
 
   def restored_without(self, names, path):
     log.info("the checkpoint %s has no %s (written without the feature that keeps it): "

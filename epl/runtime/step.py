@@ -5,6 +5,8 @@ Each layer is ``layer(call, proceed) -> result``: it reads the ``StepCall`` (the
 arguments), may pass on a changed one, and calls ``proceed`` for the rest of the chain. In
 order:
 
+  resize          an elastic job's chief after the checkpoint its launcher waited for: the
+                  next training run ends the worker instead (stop_before_next_step)
   launch status   the first training step reports RUNNING to epl-launch (launch.status_file)
   gradient check  the first training step also fetches the recomputation check
                   (gradient_checkpoint.check_gradients)
@@ -29,7 +31,7 @@ from typing import Any, Callable, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl.launch import status as launch_status
-from epl.runtime import faults, serve
+from epl.runtime import elastic, faults, serve
 from epl.runtime.accumulation import AccumulationRuns
 from epl.runtime.board import Board
 from epl.runtime.feeds import ALL
@@ -99,6 +101,18 @@ class StepChain:
     for layer in reversed(self._layers):
       run = functools.partial(layer, proceed=run)
     self.run = run
+
+  def stop_before_next_step(self, why):
+    """An elastic job grows back: the next training run ends the worker (exit code 75)
+    before it runs (epl.runtime.elastic)."""
+    def resize(call, proceed):
+      if not self._trains.trains_fetches(call.session.graph, call.fetches):
+        return proceed(call)
+      log.warning("%s", why)
+      elastic.stop()
+    if not self._layers or self._layers[0].__name__ != "resize":
+      self._layers.insert(0, resize)
+      self._compose()
 
   def _leave(self, layer):
     """A first-step layer that has fired leaves the chain."""

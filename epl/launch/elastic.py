@@ -1,0 +1,318 @@
+"""Elastic jobs (``epl-launch --min_workers N``): the launchers of a multi-host job agree on
+which hosts train, so a job that lost a host for good goes on without it, and grows back
+when it returns.
+
+One launcher runs per host (``--machine_list`` with ``--machine_rank``, or a scheduler's
+tasks). Each answers its peers on its *launcher port* (``launcher_port``: the worker's port
++ 10000) with one JSON line: its original rank, its phase, the epoch (how many memberships
+the job has had) and that epoch's members (original ranks; a member's worker index is its
+position). Pure sockets and threads: no TensorFlow.
+
+Phases:
+  ``running``  its worker trains in ``epoch``;
+  ``gathering``  its worker's run ended with a failure; it looks for the next membership;
+  ``waiting``  it is not a member of the running epoch (its host was dropped) and asks to
+  join; the epoch's coordinator (its lowest original rank) notes it, and has its own worker
+  -- the chief -- stop after the next checkpoint, so that everyone gathers again;
+  ``done`` / ``failed``  the job ended (a launcher lingers a moment so waiting peers learn it).
+
+The next membership is decided by the lowest-ranked launcher of the old epoch that can be
+reached (the coordinator), once no reachable peer still runs the old epoch and every silent
+host has been silent for ``host_timeout`` seconds (at once when all answer): the gathering
+and waiting launchers, in rank order, if there are at least ``min_workers`` of them. The others
+adopt what it decided (they ask it). With ``min_workers`` over half the hosts, two halves of a
+cut network cannot both train.
+"""
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+
+PORT_OFFSET = 10000
+POLL = 0.5                   # seconds between two rounds of questions
+CONNECT_TIMEOUT = 1.0
+GIVE_UP = 300                # seconds without a membership, at least, before a launcher gives up
+RESIZE_EXIT = 75             # the chief's exit code after the checkpoint a resize waited for
+
+RUNNING, GATHERING, WAITING, DONE, FAILED = "running", "gathering", "waiting", "done", "failed"
+
+
+class GaveUp(Exception):
+  """No membership of at least min_workers hosts could be formed in time."""
+
+
+def launcher_port(host):
+  """The port a host's launcher answers on: its worker's port + 10000 (- 10000 above 65535)."""
+  port = int(host.rsplit(":", 1)[1])
+  return port + PORT_OFFSET if port + PORT_OFFSET <= 65535 else port - PORT_OFFSET
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+  epoch: int
+  members: tuple             # original ranks; worker index = position
+
+  def index_of(self, rank):
+    return self.members.index(rank)
+
+
+def _ask(host, message, timeout=CONNECT_TIMEOUT):
+  """One question to the launcher of ``host``; its answer (a dict), or None when silent."""
+  address = host.rsplit(":", 1)[0]
+  try:
+    with socket.create_connection((address, launcher_port(host)), timeout=timeout) as s:
+      s.settimeout(timeout)
+      s.sendall((json.dumps(message) + "\n").encode())
+      data = b""
+      while not data.endswith(b"\n"):
+        chunk = s.recv(4096)
+        if not chunk:
+          break
+        data += chunk
+    return json.loads(data.decode()) if data else None
+  except (OSError, ValueError):
+    return None
+
+
+def _from(rank, answer):
+  """``answer`` if launcher ``rank`` gave it, else None. A connection to a local port nobody
+  listens on can connect to itself (TCP's simultaneous open, when the kernel picks that very
+  port as the source): the question then comes back as its own answer."""
+  return answer if isinstance(answer, dict) and answer.get("rank") == rank else None
+
+
+class Rendezvous:
+  """This host's launcher in the membership protocol (see the module docstring).
+
+  Args:
+    hosts: every original worker's host:port (the launch's --machine_list).
+    rank: this launcher's original rank.
+    min_workers: the fewest hosts the job may train on.
+    host_timeout: seconds a host stays silent before it is dropped.
+    on_joiner(rank): called (coordinator only) when a dropped host asks to join again.
+    give_up: seconds a launcher may spend without a membership before GaveUp (default
+      max(300, 10 x host_timeout)).
+  """
+
+  def __init__(self, hosts, rank, min_workers, host_timeout, on_joiner=None, give_up=None,
+               ask=_ask, clock=time.monotonic, listen=True):
+    self.hosts, self.rank = tuple(hosts), rank
+    self.min_workers, self.host_timeout = min_workers, host_timeout
+    self.give_up = give_up if give_up is not None else max(GIVE_UP, 10 * host_timeout)
+    self.on_joiner, self._ask, self._clock = on_joiner, ask, clock
+    self.phase = RUNNING
+    self.current = Membership(0, tuple(range(len(self.hosts))))
+    self.joiners = set()
+    self._heard_after_end = set()
+    self._lock = threading.Lock()
+    self._sock = None
+    if listen:
+      self._listen()
+
+  # ---- answering ------------------------------------------------------------------------
+  def _listen(self):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", launcher_port(self.hosts[self.rank])))
+    sock.listen(16)
+    self._sock = sock
+    threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+  def _serve(self, sock):
+    while True:
+      try:
+        conn, _ = sock.accept()
+      except OSError:
+        return                                   # closed
+      with conn:
+        try:
+          conn.settimeout(CONNECT_TIMEOUT)
+          line = conn.makefile().readline()
+          conn.sendall((json.dumps(self.answer(json.loads(line))) + "\n").encode())
+        except (OSError, ValueError):
+          pass
+
+  def answer(self, question):
+    """What this launcher tells a peer that sent ``question`` (its own state)."""
+    with self._lock:
+      asker = question.get("rank")
+      if self.phase in (DONE, FAILED):
+        self._heard_after_end.add(asker)
+      if question.get("phase") == WAITING and self.phase == RUNNING and \
+          self.rank == self.current.members[0] and asker not in self.current.members and \
+          asker not in self.joiners:
+        self.joiners.add(asker)
+        if self.on_joiner is not None:
+          self.on_joiner(asker)
+      return {"rank": self.rank, "phase": self.phase, "epoch": self.current.epoch,
+              "members": list(self.current.members)}
+
+  def close(self):
+    if self._sock is not None:
+      self._sock.close()
+      self._sock = None
+
+  # ---- asking ---------------------------------------------------------------------------
+  def _round(self):
+    """Every other launcher's answer (None: silent)."""
+    me = {"rank": self.rank, "phase": self.phase, "epoch": self.current.epoch}
+    return {r: _from(r, self._ask(h, me)) for r, h in enumerate(self.hosts) if r != self.rank}
+
+  def next_membership(self, failed=True):
+    """After this launcher's run ended (``failed``: with an error; else it is not a member
+    and waits to join): the next Membership this host is in, or DONE / FAILED when the job
+    ended. Raises GaveUp after ``give_up`` seconds without one."""
+    with self._lock:
+      self.phase = GATHERING if failed else WAITING
+      self.joiners = set()
+    old, started = self.current.epoch, self._clock()
+    heard = {}                                   # rank -> when it last answered
+    while True:
+      answers = self._round()
+      now = self._clock()
+      heard.update((r, now) for r, a in answers.items() if a is not None)
+      found = self._decide(answers, old, started, heard, now)
+      if found is not None:
+        return found
+      if now - started > self.give_up:
+        raise GaveUp("no job of at least %d host(s) could be formed within %d s (heard from "
+                     "%s)" % (self.min_workers, self.give_up, ", ".join(
+                         "host %d" % r for r in sorted(heard)) or "no other host"))
+      time.sleep(POLL)
+
+  def _decide(self, answers, old, started, heard, now):
+    live = {r: a for r, a in answers.items() if a is not None}
+    if any(a["phase"] == FAILED for a in live.values()):
+      return self._end(FAILED)
+    if any(a["phase"] == DONE and a["epoch"] >= old for a in live.values()):
+      return self._end(DONE)
+    newer = [a for a in live.values() if a["epoch"] > old]
+    if newer:                                      # decided already: adopt it
+      best = max(newer, key=lambda a: a["epoch"])
+      if self.rank in best["members"]:
+        return self._adopt(Membership(best["epoch"], tuple(best["members"])))
+      with self._lock:
+        self.phase = WAITING                       # decided without me: ask to join
+      return None
+    peers = [r for r, a in live.items() if a["epoch"] == old and a["phase"] != WAITING]
+    if self.rank != min([self.rank] + peers):
+      return None                                  # the coordinator decides
+    if any(a["phase"] == RUNNING for a in live.values()):
+      return None                                  # its worker has not seen the end yet
+    silent = [r for r in answers if r not in live]
+    if silent and any(now - heard.get(r, started) < self.host_timeout for r in silent):
+      return None
+    members = tuple(sorted([self.rank] + [r for r, a in live.items()
+                                          if a["phase"] in (GATHERING, WAITING)]))
+    if len(members) < self.min_workers:
+      return None
+    return self._adopt(Membership(old + 1, members))
+
+  def _adopt(self, membership):
+    with self._lock:
+      self.current, self.phase = membership, RUNNING
+    return membership
+
+  def _end(self, phase):
+    with self._lock:
+      self.phase = phase
+    return phase
+
+  def finish(self, phase, linger=None):
+    """The job ended here (DONE or FAILED): answers so for up to ``linger`` seconds (default
+    min(10, host_timeout)), until every other host of the epoch and every host that asked to
+    join has heard it or ended too (a peer that gathers for a run it lost learns that the
+    job is over, instead of dropping this host as silent)."""
+    with self._lock:
+      self.phase = phase
+      others = (set(self.current.members) | self.joiners) - {self.rank}
+    deadline = self._clock() + (min(10.0, self.host_timeout) if linger is None else linger)
+    while others and self._clock() < deadline:
+      me = {"rank": self.rank, "phase": phase, "epoch": self.current.epoch}
+      with self._lock:
+        others -= self._heard_after_end
+      others -= {r for r in others if (_from(r, self._ask(self.hosts[r], me)) or {}).get(
+          "phase") in (DONE, FAILED)}
+      if others:
+        time.sleep(POLL)
+    self.close()
+
+
+class Resizer:
+  """An elastic launcher's view of its job: the Settings of the current membership, and what
+  it does after a run (``after_run``). ``say``: one line to the console."""
+
+  def __init__(self, settings, say, rendezvous=None):
+    self.original, self.say = settings, say
+    self.rendezvous = rendezvous or Rendezvous(
+        settings.hosts, settings.machine_rank, settings.min_workers, settings.host_timeout,
+        on_joiner=self._joiner)
+    self._clear()
+
+  def settings(self):
+    """The launch Settings of the current membership (its hosts, this host's new rank)."""
+    members = self.rendezvous.current.members
+    hosts = tuple(self.original.hosts[r] for r in members)
+    return dataclasses.replace(self.original, num_workers=len(hosts), hosts=hosts,
+                               machine_rank=members.index(self.original.machine_rank))
+
+  def _clear(self):
+    try:
+      os.remove(self.original.resize_file)
+    except OSError:
+      pass
+
+  def _joiner(self, rank):
+    self.say("epl-launch: elastic: host %d (%s) is back; the job grows back to it after its "
+             "next checkpoint" % (rank, self.original.hosts[rank]))
+    with open(self.original.resize_file, "w") as f:
+      f.write("%d\n" % rank)
+
+  def after_run(self, resize, refused, budget):
+    """After a run that failed (``resize``: the chief stopped for a planned resize;
+    ``refused``: why a restart would only repeat the failure, or ""): None to start the next
+    run (``settings()``), or the launcher's exit code. ``budget``: the Restarts that a
+    restart on the same hosts takes from."""
+    self._clear()
+    if refused:
+      self.say("epl-launch: elastic: not restarted (%s); the other hosts stop too" % refused)
+      self.rendezvous.finish(FAILED)
+      return 1
+    before = self.rendezvous.current
+    self.say("epl-launch: elastic: %s; gathering the hosts (a silent one is dropped after "
+             "%d s)" % ("stopped to grow back" if resize else "the run failed",
+                        self.original.host_timeout))
+    try:
+      found = self.rendezvous.next_membership()
+    except GaveUp as e:
+      self.say("epl-launch: elastic: gave up: %s" % e)
+      self.rendezvous.finish(FAILED, linger=0)
+      return 1
+    if found in (DONE, FAILED):
+      self.say("epl-launch: elastic: the job ended on the other hosts (%s)" % found)
+      self.rendezvous.close()
+      return 0 if found == DONE else 1
+    same = found.members == before.members and found.epoch == before.epoch + 1
+    if same and not resize and not budget.allow():
+      self.say("epl-launch: elastic: the same hosts failed again, past --max_restarts")
+      self.rendezvous.finish(FAILED)
+      return 1
+    self.say(self.describe(before, found))
+    return None
+
+  def describe(self, before, after):
+    left = [r for r in before.members if r not in after.members]
+    back = [r for r in after.members if r not in before.members]
+    change = "; ".join(filter(None, [
+        "dropped %s" % ", ".join("host %d (%s)" % (r, self.original.hosts[r]) for r in left)
+        if left else "", "back: %s" % ", ".join("host %d" % r for r in back) if back else ""]))
+    return ("epl-launch: elastic: epoch %d on %d of %d host(s) (%s)%s; this host is worker %d "
+            "of %d; resuming from the last checkpoint" % (
+                after.epoch, len(after.members), len(self.original.hosts),
+                ", ".join(str(r) for r in after.members), "; " + change if change else "",
+                after.index_of(self.original.machine_rank), len(after.members)))
+
+  def finish(self, phase):
+    self.rendezvous.finish(phase)
