@@ -360,3 +360,18 @@ def test_a_question_that_comes_back_to_itself_is_no_answer(monkeypatch):
   echo = elastic._ask(host, question)
   assert echo == question                                   # the question itself came back
   assert elastic._from(2, echo) is None
+
+
+def test_the_resize_stop_is_an_exit_code_epls_exit_watch_sees():
+  """The chief's stop skips the farewell (its peers wait in the step for it: a farewell that
+  waited for them held the grow for its whole minute)."""
+  from epl.runtime import heartbeat
+  from epl.runtime.elastic import stop
+  exits = heartbeat.ExitCode().install()
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      stop()
+  finally:
+    exits.uninstall()
+  assert stopped.value.code == elastic.RESIZE_EXIT
+  assert exits.code == elastic.RESIZE_EXIT and exits.failed
