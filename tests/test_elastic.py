@@ -84,6 +84,13 @@ def test_the_launcher_port_is_the_workers_plus_10000():
   assert elastic.launcher_port("h:60000") == 50000
 
 
+def test_a_launcher_port_in_use_is_one_clear_error(launchers):
+  job = launchers(2)
+  with pytest.raises(SystemExit, match=r"--min_workers: this host's launcher cannot listen on "
+                     r"port \d+, its worker's port 127.0.0.1:\d+ \+/- 10000"):
+    job.make(0)                                  # host 0's launcher already listens there
+
+
 def test_hosts_that_all_answer_agree_at_once(launchers):
   job = launchers(3, host_timeout=30)
   started = time.time()

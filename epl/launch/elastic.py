@@ -115,7 +115,14 @@ class Rendezvous:
   def _listen(self):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("", launcher_port(self.hosts[self.rank])))
+    port = launcher_port(self.hosts[self.rank])
+    try:
+      sock.bind(("", port))
+    except OSError as e:
+      sock.close()
+      raise SystemExit("epl-launch: error: --min_workers: this host's launcher cannot listen "
+                       "on port %d, its worker's port %s +/- 10000 (%s); give the worker a "
+                       "port whose launcher port is free" % (port, self.hosts[self.rank], e))
     sock.listen(16)
     self._sock = sock
     threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
