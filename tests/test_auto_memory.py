@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import split_models as sm
@@ -80,3 +81,19 @@ def test_a_budget_nothing_meets_is_one_clear_error(caplog):
     sm.train(_gpt2("minimize"), data, 1, ROWS, config=epl.Config(
         {"auto.auto_parallel": True, "cluster.devices_per_worker": 8,
          "auto.device_memory": "1GB", "pipeline.num_stages": 2}))
+
+
+def test_a_tied_embedding_keeps_every_stage_on_as_many_devices():
+  """GPT-2 reads wte in its embedding and its logits: stages of different replica counts
+  (6:1:1, which a CI machine's profile once chose) cannot both read it, so the planner is
+  offered uniform layouts only."""
+  from epl import profiler
+  from epl.runtime.auto_stages import runnable, tied
+  with tf.Graph().as_default() as graph:
+    gpt2_lm.build(ROWS, lambda i: contextlib.nullcontext(), grads="minimize")
+    layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
+        tf.GraphKeys.TRAINABLE_VARIABLES)])
+    model = {layering.of(op.name)[0] for op in graph.get_operations()} - {None, "Adam"}
+    assert tied(graph, layering, model) == ["model/wte"]
+  assert runnable(8)((6, 1, 1)) and not runnable(8, uniform=True)((6, 1, 1))
+  assert runnable(8, uniform=True)((4, 4)) and runnable(8, uniform=True)((2, 2, 2, 2))

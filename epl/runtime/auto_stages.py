@@ -29,6 +29,7 @@ import tensorflow.compat.v1 as tf
 
 from epl import profiler
 from epl.errors import PlanError
+from epl.op_tables import READ_OPS, VARIABLE_OPS
 from epl.plan.auto.balance import balance_stages
 from epl.plan.split import op_ranks
 
@@ -53,8 +54,14 @@ def annotate_stages(state):
                     % (config.auto.device_memory, k))
   profile = _profile(graph, recorder)
   counts = None
+  layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
+      tf.GraphKeys.TRAINABLE_VARIABLES)])
   if k == -1:
-    k, counts, cut, micro = _planner_stages(profile, state)
+    shared = tied(graph, layering, {n.name for n in profile.nodes})
+    if shared:
+      log.info("auto.auto_parallel: %s read in several layers: the planner keeps every stage "
+               "on as many devices", ", ".join(shared))
+    k, counts, cut, micro = _planner_stages(profile, state, uniform=bool(shared))
     recorder.micro_batches = micro
   if len(profile.nodes) < k:
     raise PlanError(
@@ -65,8 +72,6 @@ def annotate_stages(state):
   stages = cut if counts else balance_stages([n.compute_ms for n in profile.nodes], k)
   _, rank = op_ranks(graph, graph.version)
   first = {}
-  layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
-      tf.GraphKeys.TRAINABLE_VARIABLES)])
   for op in graph.get_operations():
     layer, backward = layering.of(op.name)
     if layer is not None and not backward:
@@ -102,16 +107,39 @@ def epl_layout(counts, per_worker, workers):
   return None
 
 
-def runnable(per_worker, workers=1):
+def runnable(per_worker, workers=1, uniform=False):
   """The planner's ``accept`` for what epl runs (``epl_layout``): stages replicated on
   device counts that divide one another (e.g. 2:1 per model replica), the replicas data
-  parallel over the rest of the job's devices."""
+  parallel over the rest of the job's devices; ``uniform``: every stage on as many devices
+  (a variable read in several layers -- a tied embedding -- may land in stages that must
+  then hold the same copies: epl cannot read a variable across different replica counts)."""
   def accept(counts):
-    return epl_layout(counts, per_worker, workers) is not None
+    layout = epl_layout(counts, per_worker, workers)
+    return layout is not None and (not uniform or len(set(layout[1])) == 1)
   return accept
 
 
-def _planner_stages(profile, state):
+def tied(graph, layering, model_layers):
+  """The trainable variables whose forward readers lie in more than one of
+  ``model_layers`` (sorted names): GPT-2's ``wte``, read by the embedding and by the logits.
+  Reads, initialisers and the optimizer's updates are not readers."""
+  layers = {}
+  for op in graph.get_operations():
+    layer, backward = layering.of(op.name)
+    if layer not in model_layers or backward or op.type in READ_OPS or \
+        op.type.startswith("Assign"):
+      continue
+    for t in op.inputs:
+      source = t.op
+      if source.type in READ_OPS and source.inputs and source.inputs[0].op.type in VARIABLE_OPS:
+        source = source.inputs[0].op
+      if source.type in VARIABLE_OPS:
+        layers.setdefault(source.name, set()).add(layer)
+  trainable = {v.op.name for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)}
+  return sorted(n for n, found in layers.items() if len(found) > 1 and n in trainable)
+
+
+def _planner_stages(profile, state, uniform=False):
   """The plan ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
   ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
   among the plans epl runs (``runnable``): (stage count, device_count per stage, each stage's
@@ -134,7 +162,7 @@ def _planner_stages(profile, state):
     return None if layout is None else sum(layout[1]) * micro
   try:
     plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                         cost_model="simulate", accept=runnable(per_worker, workers),
+                         cost_model="simulate", accept=runnable(per_worker, workers, uniform),
                          micro_batches=micro_batches, memory=memory)
   except PlannerError as e:
     raise PlanError("auto.auto_parallel: no plan fits auto.device_memory=%s on %d device(s) "
