@@ -314,3 +314,17 @@ def test_a_connection_to_itself_is_not_a_listener(monkeypatch):
   monkeypatch.setattr(faults.socket, "create_connection",
                       lambda addr, timeout=None: real(addr, timeout, source_address=addr))
   assert not faults.reachable("%s:%d" % address)
+
+
+def test_a_variable_cleared_under_its_update_is_state_cleared_from_outside():
+  """A foreign client's reset under a running update: TF's error is a shape mismatch against
+  an empty variable, not "uninitialized value" (seen once in CI)."""
+  import tensorflow.compat.v1 as tf
+  from epl.runtime import faults
+  cleared = tf.errors.InvalidArgumentError(
+      None, None, "var and delta do not have the same shape[] [4]\n\t [[{{node "
+      "GradientDescent/update_dense/bias/ApplyGradientDescent}}]]")
+  mine = tf.errors.InvalidArgumentError(None, None, "var and delta do not have the same "
+                                        "shape[4] [5]")
+  assert faults.cleared_from_outside(cleared)
+  assert not faults.cleared_from_outside(mine)

@@ -10,6 +10,7 @@ still accept connections.
 """
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -64,10 +65,17 @@ def cleared_from_outside(error):
   on a master whose cluster names this worker, a master naming itself one of the job's
   tasks): TF's servers accept any client."""
   text = str(error)
+  if isinstance(error, tf.errors.InvalidArgumentError):
+    # a variable cleared under a running update reads back as an empty one (shape []) that
+    # its update cannot apply to: "var and delta do not have the same shape[] [4]"
+    return bool(_CLEARED_VARIABLE.search(text))
   return isinstance(error, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError,
                             tf.errors.AbortedError)) and any(word in text for word in (
                                 "uninitialized value", "Container", "Session handle",
                                 "session is closed", "not found in session"))
+
+
+_CLEARED_VARIABLE = re.compile(r"do not have the same shape\[\] \[")
 
 
 OUTSIDE = ("TensorFlow's servers accept any client: another TensorFlow program that reached "

@@ -185,10 +185,11 @@ class StepChain:
     try:
       return proceed(dataclasses.replace(call, original=one_run))
     except (faults.LOST + (tf.errors.InternalError, tf.errors.FailedPreconditionError,
-                           tf.errors.NotFoundError)) as e:
+                           tf.errors.NotFoundError, tf.errors.InvalidArgumentError)) as e:
       if isinstance(e, tf.errors.InternalError) and not faults.collectives_aborted(e):
         raise
-      if isinstance(e, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError)) and not (
+      if isinstance(e, (tf.errors.FailedPreconditionError, tf.errors.NotFoundError,
+                        tf.errors.InvalidArgumentError)) and not (
           state.heartbeat is not None and state.heartbeat.steps and
           faults.cleared_from_outside(e)):
         raise                              # the script's own error (before training, say)
