@@ -285,6 +285,9 @@ def test_1f1b_holds_at_most_stages_micro_batches_and_gpipe_all_of_them():
   g16, g64 = _held("PreferForward", 16), _held("PreferForward", 64)
   saved = 16 * 512 * 4                  # one micro-batch's hidden activations of stage 0
   fed = 16 * 64 * 4                     # one micro-batch's piece of the fed batch (held all step)
-  assert f64 - f16 <= 48 * fed + 0.1 * f16, (f16, f64)       # 1F1B: only the batch grows
+  # 1F1B: only the batch grows -- the fed array and its micro-batch pieces (slices copied
+  # out of it), both alive at the peak when the executor runs the split early (under load on
+  # CI: 930,560 -> 1,285,888 bytes, 1.4 pieces' worth over one copy of the growth)
+  assert f64 - f16 <= 2 * 48 * fed + 0.1 * f16, (f16, f64)
   assert g64 - g16 >= 0.75 * 48 * saved, (g16, g64)          # GPipe: every micro-batch's
   assert g64 >= 2 * f64, (f64, g64)
