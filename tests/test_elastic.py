@@ -159,6 +159,19 @@ def test_a_launcher_that_ends_the_job_tells_the_others(launchers):
   assert done.gather([1], failed=False) == {1: elastic.DONE}
 
 
+def test_another_jobs_launcher_on_a_hosts_port_is_not_that_host(launchers):
+  job = launchers(2, min_workers=1, host_timeout=1, up=[0])
+  job.rdv[0].job = "a"
+  other = elastic.Rendezvous(job.hosts, 1, 1, 1, job="b")  # job b's launcher on host 1's port
+  try:
+    started = time.time()
+    assert job.gather([0]) == {0: elastic.Membership(1, (0,))}
+    assert time.time() - started >= 1                        # host 1 counted as silent
+    assert other.phase == elastic.RUNNING and not other.joiners
+  finally:
+    other.close()
+
+
 def test_a_launcher_whose_job_ended_waits_until_its_peers_know(launchers):
   # host 1's worker finished its last step while the chief stopped at that step's
   # checkpoint for a resize: host 0 gathers and learns that the job is over

@@ -23,6 +23,7 @@ and waiting launchers, in rank order, if there are at least ``min_workers`` of t
 adopt what it decided (they ask it). With ``min_workers`` over half the hosts, two halves of a
 cut network cannot both train.
 """
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -76,11 +77,13 @@ def _ask(host, message, timeout=CONNECT_TIMEOUT):
     return None
 
 
-def _from(rank, answer):
-  """``answer`` if launcher ``rank`` gave it, else None. A connection to a local port nobody
-  listens on can connect to itself (TCP's simultaneous open, when the kernel picks that very
-  port as the source): the question then comes back as its own answer."""
-  return answer if isinstance(answer, dict) and answer.get("rank") == rank else None
+def _from(rank, answer, job=""):
+  """``answer`` if launcher ``rank`` of job ``job`` gave it, else None. A connection to a
+  local port nobody listens on can connect to itself (TCP's simultaneous open, when the
+  kernel picks that very port as the source): the question then comes back as its own
+  answer; another job's launcher answers without a rank."""
+  return answer if isinstance(answer, dict) and answer.get("rank") == rank and \
+      answer.get("job", "") == job else None
 
 
 class Rendezvous:
@@ -94,11 +97,13 @@ class Rendezvous:
     on_joiner(rank): called (coordinator only) when a dropped host asks to join again.
     give_up: seconds a launcher may spend without a membership before GaveUp (default
       max(300, 10 x host_timeout)).
+    job: the job's id; a launcher of another job that answers on a host's port is not that
+      host's.
   """
 
   def __init__(self, hosts, rank, min_workers, host_timeout, on_joiner=None, give_up=None,
-               ask=_ask, clock=time.monotonic, listen=True):
-    self.hosts, self.rank = tuple(hosts), rank
+               ask=_ask, clock=time.monotonic, listen=True, job=""):
+    self.hosts, self.rank, self.job = tuple(hosts), rank, job
     self.min_workers, self.host_timeout = min_workers, host_timeout
     self.give_up = give_up if give_up is not None else max(GIVE_UP, 10 * host_timeout)
     self.on_joiner, self._ask, self._clock = on_joiner, ask, clock
@@ -153,7 +158,10 @@ class Rendezvous:
         self.joiners.add(asker)
         if self.on_joiner is not None:
           self.on_joiner(asker)
-      return {"rank": self.rank, "phase": self.phase, "epoch": self.current.epoch,
+      if question.get("job", "") != self.job:
+        return {"job": self.job}                 # another job's launcher: not a peer
+      return {"rank": self.rank, "job": self.job, "phase": self.phase,
+              "epoch": self.current.epoch,
               "members": list(self.current.members)}
 
   def close(self):
@@ -164,8 +172,16 @@ class Rendezvous:
   # ---- asking ---------------------------------------------------------------------------
   def _round(self):
     """Every other launcher's answer (None: silent)."""
-    me = {"rank": self.rank, "phase": self.phase, "epoch": self.current.epoch}
-    return {r: _from(r, self._ask(h, me)) for r, h in enumerate(self.hosts) if r != self.rank}
+    me = {"rank": self.rank, "job": self.job, "phase": self.phase,
+          "epoch": self.current.epoch}
+    others = [(r, h) for r, h in enumerate(self.hosts) if r != self.rank]
+    if not others:
+      return {}
+    # at once: a silent host costs its connect timeout, which one after another would add up
+    with concurrent.futures.ThreadPoolExecutor(min(32, len(others))) as pool:
+      answers = list(pool.map(lambda rh: _from(rh[0], self._ask(rh[1], me), self.job),
+                              others))
+    return {r: a for (r, _), a in zip(others, answers)}
 
   def next_membership(self, failed=True):
     """After this launcher's run ended (``failed``: with an error; else it is not a member
@@ -237,11 +253,11 @@ class Rendezvous:
       others = (set(self.current.members) | self.joiners) - {self.rank}
     deadline = self._clock() + (min(10.0, self.host_timeout) if linger is None else linger)
     while others and self._clock() < deadline:
-      me = {"rank": self.rank, "phase": phase, "epoch": self.current.epoch}
+      me = {"rank": self.rank, "job": self.job, "phase": phase, "epoch": self.current.epoch}
       with self._lock:
         others -= self._heard_after_end
-      others -= {r for r in others if (_from(r, self._ask(self.hosts[r], me)) or {}).get(
-          "phase") in (DONE, FAILED)}
+      others -= {r for r in others if (_from(r, self._ask(self.hosts[r], me), self.job) or
+                                       {}).get("phase") in (DONE, FAILED)}
       if others:
         time.sleep(POLL)
     self.close()
@@ -255,7 +271,7 @@ class Resizer:
     self.original, self.say = settings, say
     self.rendezvous = rendezvous or Rendezvous(
         settings.hosts, settings.machine_rank, settings.min_workers, settings.host_timeout,
-        on_joiner=self._joiner)
+        on_joiner=self._joiner, job=settings.job_id)
     self._clear()
 
   def settings(self):
