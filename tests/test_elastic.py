@@ -30,7 +30,9 @@ WORKER = os.path.join(ROOT, "tests", "workers", "elastic_worker.py")
 
 # ---- the membership protocol ---------------------------------------------------------------
 def _hosts(n):
-  return ["127.0.0.1:%d" % p for p in private_ports(n)]
+  """Hosts whose launcher ports are this test process's own free ports below the ephemeral
+  range (their worker ports, 10000 lower, are never bound here)."""
+  return ["127.0.0.1:%d" % (p - elastic.PORT_OFFSET) for p in private_ports(n)]
 
 
 class _Launchers:
@@ -235,11 +237,17 @@ def test_the_resizer_gives_each_membership_its_hosts_and_ranks_and_says_each_cha
 
   class Fake:                                    # the rendezvous, deciding what it is told
     current = elastic.Membership(0, (0, 1, 2))
-    outcome = []
+    told, why, outcome = None, "", []
 
-    def next_membership(self):
-      self.current = self.outcome.pop(0)
-      return self.current
+    def next_membership(self, allow=None):
+      found = self.outcome.pop(0)
+      if found == "same hosts":                  # as the coordinator does (Rendezvous._decide)
+        if allow is not None and not allow():
+          self.why = "the same hosts failed again, past --max_restarts"
+          return elastic.FAILED
+        found = elastic.Membership(self.current.epoch + 1, self.current.members)
+      self.current = found
+      return found
 
     def finish(self, phase, linger=None):
       said.append(phase)
@@ -252,26 +260,82 @@ def test_the_resizer_gives_each_membership_its_hosts_and_ranks_and_says_each_cha
                    r"is worker 1 of 2", said[-1]), said
   new = resizer.settings()
   assert (new.num_workers, new.hosts, new.machine_rank) == (2, ("a:1", "c:3"), 1)
-  # the same hosts again: a restart, which --max_restarts 0 does not allow
-  rdv.outcome = [elastic.Membership(2, (0, 2))]
+  # a planned resize takes no restart; the same hosts after a failure take one, which
+  # --max_restarts 0 does not have
+  rdv.outcome = ["same hosts"]
+  assert resizer.after_run(True, "", Restarts(0, 0)) is None
+  rdv.outcome = ["same hosts"]
   assert resizer.after_run(False, "", Restarts(0, 0)) == 1
-  assert said[-1] == elastic.FAILED
-  # back on every host after an epoch without this one: no restart either
-  rdv.current = elastic.Membership(0, (0, 1, 2))
-  rdv.outcome = [elastic.Membership(2, (0, 1, 2))]
-  assert resizer.after_run(False, "", Restarts(0, 0)) is None
-  # a planned resize is no restart; an error that repeats ends every host
-  rdv.current = elastic.Membership(2, (0, 2))
+  assert said[-2].endswith("the job ended (failed: the same hosts failed again, past "
+                           "--max_restarts)") and said[-1] == elastic.FAILED
   rdv.outcome = [elastic.Membership(3, (0, 1, 2))]
+  rdv.current = elastic.Membership(2, (0, 2))
   assert resizer.after_run(True, "", Restarts(0, 0)) is None
   assert "back: host 1" in said[-1]
+  # an error that repeats ends every host; so does a host of the epoch that ended the job
   assert resizer.after_run(False, "a ConfigError repeats on every start",
                            Restarts(5, 0)) == 1
   assert said[-1] == elastic.FAILED
-  # a host back asks to join: the chief's resize file appears
+  rdv.told = elastic.FAILED
+  assert resizer.told() == elastic.FAILED
+  assert resizer.after_run(False, "", Restarts(5, 0)) == 1
+  assert "the job ended on another host (failed)" in said[-2]
+  # a host back asks to join: the chief's resize file appears; the next epoch clears it
   resizer._joiner(1)
   assert os.path.exists(s.resize_file)
   assert "host 1 (b:2) is back" in said[-1]
+
+
+def test_the_coordinator_spends_the_restart_budget_for_everyone(launchers):
+  job = launchers(2, host_timeout=30)
+  found = {}
+  threads = [threading.Thread(target=lambda r=r: found.__setitem__(
+      r, job.rdv[r].next_membership(allow=lambda: False))) for r in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert found == {0: elastic.FAILED, 1: elastic.FAILED}
+  assert "past --max_restarts" in job.rdv[0].why and "host 0's launcher failed" in job.rdv[1].why
+
+
+def test_a_host_that_ends_the_job_for_good_tells_the_running_ones(launchers):
+  job = launchers(2, host_timeout=30)
+  job.rdv[1].finish(elastic.FAILED, linger=2)
+  assert job.rdv[0].told == elastic.FAILED                # its launcher stops its workers
+  done = launchers(2, host_timeout=30)
+  done.rdv[1].finish(elastic.DONE, linger=1)
+  assert done.rdv[0].told is None                         # a finished one lets them finish
+
+
+def test_an_epoch_decided_without_this_host_makes_it_a_joiner(launchers):
+  """Host 0 decided epoch 1 = (0, 1, 2) in the round that host 1 decided (1, 2) without
+  hearing host 0: 1 and 2 run; host 0, gathering again, asks to join instead of waiting to
+  coordinate an epoch nobody else is in."""
+  job = launchers(3, host_timeout=1)
+  job.rdv[1]._adopt(elastic.Membership(1, (1, 2)))
+  job.rdv[2]._adopt(elastic.Membership(1, (1, 2)))
+  job.rdv[0]._adopt(elastic.Membership(1, (0, 1, 2)))
+  t = threading.Thread(target=job.rdv[0].next_membership, daemon=True)
+  t.start()
+  deadline = time.time() + 15
+  while not job.joined and time.time() < deadline:
+    time.sleep(0.1)
+  assert job.rdv[0].phase == elastic.WAITING and job.joined == [0]
+
+
+def test_a_bad_question_does_not_end_the_answering(launchers):
+  import socket
+  job = launchers(2, host_timeout=30)
+  address = ("127.0.0.1", elastic.launcher_port(job.hosts[0]))
+  for junk in (b"[1, 2]\n", b"{\"rank\": 99}\n", b"{\"rank\": null, \"phase\": \"waiting\"}\n",
+               b"not json\n"):
+    with socket.create_connection(address, 2) as c:
+      c.sendall(junk)
+      c.recv(4096)
+  answer = elastic._ask(job.hosts[0], {"rank": 1, "job": "", "phase": elastic.RUNNING,
+                                       "epoch": 0})
+  assert answer["rank"] == 0 and answer["phase"] == elastic.RUNNING
 
 
 # ---- the worker's side ----------------------------------------------------------------------

@@ -135,11 +135,18 @@ class Job:
     for t in self._threads:
       t.join(timeout=2)
 
-  def watch(self, poll=0.2, on_status=None):
+  def watch(self, poll=0.2, on_status=None, stop_when=None):
     """Returns 0 when every worker succeeded; on the first failure stops the rest (and
-    ``failure`` says which). ``on_status(index, event)``: each status event of a worker."""
+    ``failure`` says which). ``on_status(index, event)``: each status event of a worker;
+    ``stop_when()``: a reason to stop every worker (an elastic job ended elsewhere), or None."""
     seen = collections.Counter()
     while True:
+      reason = stop_when() if stop_when is not None else None
+      if reason:
+        self.reason, self.failure = "the job ended on another host (%s)" % reason, (
+            min(self.procs), 0)
+        self.stop()
+        return 1
       known = {i for _, i, _ in self.exits}
       codes = {i: p.poll() for i, p in self.procs.items() if i not in known}
       for index in sorted((i for i, c in codes.items() if c is not None),
@@ -297,7 +304,8 @@ def _run(settings, gpus, running, guard=None):
     if attempt and settings.local_hosts:                 # fresh ports for the new start
       settings = dataclasses.replace(settings, hosts=tuple(
           "localhost:%d" % p for p in free_ports(settings.num_workers, settings.port_range)))
-    job, code = _start(settings, gpus, attempt, restarts, running, guard)
+    job, code = _start(settings, gpus, attempt, restarts, running, guard,
+                       resizer.told if resizer is not None else None)
     if code == 0:
       if resizer is not None:
         resizer.finish(elastic.DONE)
@@ -340,7 +348,7 @@ def _run(settings, gpus, running, guard=None):
     time.sleep(RESTART_PAUSE)
 
 
-def _start(settings, gpus, attempt, restarts, running, guard):
+def _start(settings, gpus, attempt, restarts, running, guard, stop_when=None):
   """Starts one run of the job and watches it to its end: (its Job, 0 or 1)."""
   print(_listening(settings), flush=True)
   specs = worker_specs(settings, os.environ, gpus_on_host=gpus, launcher_pid=os.getpid(),
@@ -355,7 +363,7 @@ def _start(settings, gpus, attempt, restarts, running, guard):
         is not None and index == min(job.specs):
       job._say("epl-launch: restart %d resumed at global_step %s" % (
           restarts, event["global_step"]))
-  return job, job.watch(on_status=on_status)
+  return job, job.watch(on_status=on_status, stop_when=stop_when)
 
 
 def _refused(settings, budget, exit_code, error, ran):

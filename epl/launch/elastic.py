@@ -102,14 +102,16 @@ class Rendezvous:
   """
 
   def __init__(self, hosts, rank, min_workers, host_timeout, on_joiner=None, give_up=None,
-               ask=_ask, clock=time.monotonic, listen=True, job=""):
+               ask=_ask, clock=time.monotonic, listen=True, job="", on_epoch=None):
     self.hosts, self.rank, self.job = tuple(hosts), rank, job
     self.min_workers, self.host_timeout = min_workers, host_timeout
     self.give_up = give_up if give_up is not None else max(GIVE_UP, 10 * host_timeout)
-    self.on_joiner, self._ask, self._clock = on_joiner, ask, clock
+    self.on_joiner, self.on_epoch, self._ask, self._clock = on_joiner, on_epoch, ask, clock
     self.phase = RUNNING
     self.current = Membership(0, tuple(range(len(self.hosts))))
     self.joiners = set()
+    self.told = None               # FAILED: a host of this epoch ended the job while it ran
+    self.why = ""                  # why next_membership ended the job (DONE / FAILED)
     self._heard_after_end = set()
     self._lock = threading.Lock()
     self._sock = None
@@ -143,26 +145,32 @@ class Rendezvous:
           conn.settimeout(CONNECT_TIMEOUT)
           line = conn.makefile().readline()
           conn.sendall((json.dumps(self.answer(json.loads(line))) + "\n").encode())
-        except (OSError, ValueError):
-          pass
+        except Exception:  # pylint: disable=broad-except
+          pass                                   # one bad question never ends the answering
 
   def answer(self, question):
     """What this launcher tells a peer that sent ``question`` (its own state)."""
+    if not isinstance(question, dict) or question.get("job", "") != self.job:
+      return {"job": self.job}                   # another job's launcher: not a peer
+    asker = question.get("rank")
+    if not isinstance(asker, int) or not 0 <= asker < len(self.hosts) or asker == self.rank:
+      return {"job": self.job}
     with self._lock:
-      asker = question.get("rank")
       if self.phase in (DONE, FAILED):
         self._heard_after_end.add(asker)
+      elif self.phase == RUNNING and question.get("phase") == FAILED and \
+          asker in self.current.members and question.get("epoch") == self.current.epoch:
+        # the job failed on a host of this epoch for good (a finished one is not told: its
+        # peers' workers may still be writing their last outputs)
+        self.told = FAILED
       if question.get("phase") == WAITING and self.phase == RUNNING and \
           self.rank == self.current.members[0] and asker not in self.current.members and \
           asker not in self.joiners:
         self.joiners.add(asker)
         if self.on_joiner is not None:
           self.on_joiner(asker)
-      if question.get("job", "") != self.job:
-        return {"job": self.job}                 # another job's launcher: not a peer
       return {"rank": self.rank, "job": self.job, "phase": self.phase,
-              "epoch": self.current.epoch,
-              "members": list(self.current.members)}
+              "epoch": self.current.epoch, "members": list(self.current.members)}
 
   def close(self):
     if self._sock is not None:
@@ -183,46 +191,63 @@ class Rendezvous:
                               others))
     return {r: a for (r, _), a in zip(others, answers)}
 
-  def next_membership(self, failed=True):
+  def next_membership(self, failed=True, allow=None):
     """After this launcher's run ended (``failed``: with an error; else it is not a member
     and waits to join): the next Membership this host is in, or DONE / FAILED when the job
-    ended. Raises GaveUp after ``give_up`` seconds without one."""
+    ended. ``allow()``: asked by the coordinator before it restarts the same hosts (the
+    restart budget; None: always). Raises GaveUp after ``give_up`` seconds without one; the
+    clock stops while this host waits to join a job that runs."""
     with self._lock:
       self.phase = GATHERING if failed else WAITING
       self.joiners = set()
-    old, started = self.current.epoch, self._clock()
+    started = self._clock()
     heard = {}                                   # rank -> when it last answered
     while True:
+      old = self.current.epoch
       answers = self._round()
       now = self._clock()
       heard.update((r, now) for r, a in answers.items() if a is not None)
-      found = self._decide(answers, old, started, heard, now)
+      found = self._decide(answers, old, started, heard, now, allow)
       if found is not None:
         return found
+      if self.phase == WAITING and any(a is not None and a["phase"] == RUNNING
+                                       for a in answers.values()):
+        started = now                            # a job runs: wait for its next checkpoint
       if now - started > self.give_up:
         raise GaveUp("no job of at least %d host(s) could be formed within %d s (heard from "
                      "%s)" % (self.min_workers, self.give_up, ", ".join(
                          "host %d" % r for r in sorted(heard)) or "no other host"))
       time.sleep(POLL)
 
-  def _decide(self, answers, old, started, heard, now):
+  def _decide(self, answers, old, started, heard, now, allow):
     live = {r: a for r, a in answers.items() if a is not None}
-    if any(a["phase"] == FAILED for a in live.values()):
-      return self._end(FAILED)
-    if any(a["phase"] == DONE and a["epoch"] >= old for a in live.values()):
-      return self._end(DONE)
-    newer = [a for a in live.values() if a["epoch"] > old]
-    if newer:                                      # decided already: adopt it
-      best = max(newer, key=lambda a: a["epoch"])
-      if self.rank in best["members"]:
-        return self._adopt(Membership(best["epoch"], tuple(best["members"])))
+    for phase, what in ((FAILED, "failed"), (DONE, "finished")):
+      ended = sorted(r for r, a in live.items() if a["phase"] == phase and a["epoch"] >= (
+          old if phase == DONE else 0))
+      if ended:
+        return self._end(phase, "host %d's launcher %s the job" % (ended[0], what))
+    # an epoch decided elsewhere -- a newer one, or this one's number with other members
+    # (decided by a launcher that could not hear this host): a running one is adopted, a
+    # gathering one taken as this host's old epoch, one without this host joined
+    decided = [a for a in live.values() if a["epoch"] > old or (
+        a["epoch"] == old and a["phase"] == RUNNING and
+        tuple(a["members"]) != self.current.members)]
+    if decided:
+      best = max(decided, key=lambda a: (a["epoch"], a["phase"] == RUNNING))
+      found = Membership(best["epoch"], tuple(best["members"]))
+      if self.rank not in found.members:
+        with self._lock:
+          self.phase = WAITING                     # decided without me: ask to join
+        return None
+      if best["phase"] == RUNNING:
+        return self._adopt(found)
       with self._lock:
-        self.phase = WAITING                       # decided without me: ask to join
+        self.current = found                       # that epoch ended too: gather from it
       return None
     peers = [r for r, a in live.items() if a["epoch"] == old and a["phase"] != WAITING]
     if self.rank != min([self.rank] + peers):
       return None                                  # the coordinator decides
-    if any(a["phase"] == RUNNING for a in live.values()):
+    if any(a["phase"] == RUNNING and a["epoch"] == old for a in live.values()):
       return None                                  # its worker has not seen the end yet
     silent = [r for r in answers if r not in live]
     if silent and any(now - heard.get(r, started) < self.host_timeout for r in silent):
@@ -231,16 +256,20 @@ class Rendezvous:
                                           if a["phase"] in (GATHERING, WAITING)]))
     if len(members) < self.min_workers:
       return None
+    if members == self.current.members and allow is not None and not allow():
+      return self._end(FAILED, "the same hosts failed again, past --max_restarts")
     return self._adopt(Membership(old + 1, members))
 
   def _adopt(self, membership):
     with self._lock:
-      self.current, self.phase = membership, RUNNING
+      self.current, self.phase, self.joiners, self.told = membership, RUNNING, set(), None
+      if self.on_epoch is not None:
+        self.on_epoch(membership)                  # under the lock: no joiner heard between
     return membership
 
-  def _end(self, phase):
+  def _end(self, phase, why):
     with self._lock:
-      self.phase = phase
+      self.phase, self.why = phase, why
     return phase
 
   def finish(self, phase, linger=None):
@@ -271,8 +300,13 @@ class Resizer:
     self.original, self.say = settings, say
     self.rendezvous = rendezvous or Rendezvous(
         settings.hosts, settings.machine_rank, settings.min_workers, settings.host_timeout,
-        on_joiner=self._joiner, job=settings.job_id)
+        on_joiner=self._joiner, job=settings.job_id, on_epoch=lambda _: self._clear())
     self._clear()
+
+  def told(self):
+    """FAILED when a host of the running epoch ended the job for good (the launcher then
+    stops its own workers), else None."""
+    return self.rendezvous.told
 
   def settings(self):
     """The launch Settings of the current membership (its hosts, this host's new rank)."""
@@ -298,7 +332,12 @@ class Resizer:
     ``refused``: why a restart would only repeat the failure, or ""): None to start the next
     run (``settings()``), or the launcher's exit code. ``budget``: the Restarts that a
     restart on the same hosts takes from."""
-    self._clear()
+    told = self.rendezvous.told
+    if told is not None:
+      self.say("epl-launch: elastic: the job ended on another host (%s); stopped this host's "
+               "workers" % told)
+      self.rendezvous.finish(told)
+      return 0 if told == DONE else 1
     if refused:
       self.say("epl-launch: elastic: not restarted (%s); the other hosts stop too" % refused)
       self.rendezvous.finish(FAILED)
@@ -308,20 +347,15 @@ class Resizer:
              "%d s)" % ("stopped to grow back" if resize else "the run failed",
                         self.original.host_timeout))
     try:
-      found = self.rendezvous.next_membership()
+      found = self.rendezvous.next_membership(allow=None if resize else budget.allow)
     except GaveUp as e:
       self.say("epl-launch: elastic: gave up: %s" % e)
       self.rendezvous.finish(FAILED, linger=0)
       return 1
     if found in (DONE, FAILED):
-      self.say("epl-launch: elastic: the job ended on the other hosts (%s)" % found)
-      self.rendezvous.close()
+      self.say("epl-launch: elastic: the job ended (%s: %s)" % (found, self.rendezvous.why))
+      self.rendezvous.finish(found)
       return 0 if found == DONE else 1
-    same = found.members == before.members and found.epoch == before.epoch + 1
-    if same and not resize and not budget.allow():
-      self.say("epl-launch: elastic: the same hosts failed again, past --max_restarts")
-      self.rendezvous.finish(FAILED)
-      return 1
     self.say(self.describe(before, found))
     return None
 
