@@ -223,7 +223,7 @@ def test_a_restart_on_localhost_starts_every_worker_again_on_fresh_ports(monkeyp
     def start(self):
       pass
 
-    def watch(self, on_status=None):
+    def watch(self, on_status=None, stop_when=None):
       if len(starts) == 1:
         self.failure = (1, -9)
         return 1
@@ -279,7 +279,7 @@ def test_a_port_race_starts_again_on_fresh_ports_only_on_picked_ports_and_at_mos
     def start(self):
       pass
 
-    def watch(self, on_status=None):
+    def watch(self, on_status=None, stop_when=None):
       return 1 if len(starts) <= races else 0
 
     def summary(self):
