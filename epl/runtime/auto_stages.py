@@ -57,11 +57,14 @@ def annotate_stages(state):
   layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
       tf.GraphKeys.TRAINABLE_VARIABLES)])
   if k == -1:
-    shared = tied(graph, layering, {n.name for n in profile.nodes})
-    if shared:
-      log.info("auto.auto_parallel: %s read in several layers: the planner keeps every stage "
-               "on as many devices", ", ".join(shared))
-    k, counts, cut, micro = _planner_stages(profile, state, uniform=bool(shared))
+    readers = _readers(graph, layering, {n.name for n in profile.nodes})
+    ids = {n.name: n.id for n in profile.nodes}
+    groups = [frozenset(ids[l] for l in layers) for layers in readers.values()
+              if len(layers) > 1]
+    if groups:
+      log.info("auto.auto_parallel: %s read in several layers: their stages keep as many "
+               "devices", ", ".join(sorted(n for n, l in readers.items() if len(l) > 1)))
+    k, counts, cut, micro = _planner_stages(profile, state, same_copies(groups))
     recorder.micro_batches = micro
   if len(profile.nodes) < k:
     raise PlanError(
@@ -107,22 +110,38 @@ def epl_layout(counts, per_worker, workers):
   return None
 
 
-def runnable(per_worker, workers=1, uniform=False):
+def runnable(per_worker, workers=1):
   """The planner's ``accept`` for what epl runs (``epl_layout``): stages replicated on
   device counts that divide one another (e.g. 2:1 per model replica), the replicas data
-  parallel over the rest of the job's devices; ``uniform``: every stage on as many devices
-  (a variable read in several layers -- a tied embedding -- may land in stages that must
-  then hold the same copies: epl cannot read a variable across different replica counts)."""
+  parallel over the rest of the job's devices."""
   def accept(counts):
-    layout = epl_layout(counts, per_worker, workers)
-    return layout is not None and (not uniform or len(set(layout[1])) == 1)
+    return epl_layout(counts, per_worker, workers) is not None
+  return accept
+
+
+def same_copies(groups):
+  """The planner's ``accept_stages`` (None without ``groups``): every group of layers that
+  reads one variable (a tied embedding) lies in stages on as many devices -- epl cannot read
+  a variable across different replica counts."""
+  if not groups:
+    return None
+
+  def accept(stages):
+    return all(len({count for layers, count in stages if layers & group}) <= 1
+               for group in groups)
   return accept
 
 
 def tied(graph, layering, model_layers):
-  """The trainable variables whose forward readers lie in more than one of
-  ``model_layers`` (sorted names): GPT-2's ``wte``, read by the embedding and by the logits.
-  Reads, initialisers and the optimizer's updates are not readers."""
+  """The trainable variables read in more than one of ``model_layers`` (sorted names):
+  GPT-2's ``wte``, read by the embedding and by the logits."""
+  return sorted(n for n, layers in _readers(graph, layering, model_layers).items()
+                if len(layers) > 1)
+
+
+def _readers(graph, layering, model_layers):
+  """Each trainable variable -> the ``model_layers`` whose forward ops read it (reads,
+  initialisers and the optimizer's updates are not readers)."""
   layers = {}
   for op in graph.get_operations():
     layer, backward = layering.of(op.name)
@@ -136,10 +155,10 @@ def tied(graph, layering, model_layers):
       if source.type in VARIABLE_OPS:
         layers.setdefault(source.name, set()).add(layer)
   trainable = {v.op.name for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)}
-  return sorted(n for n, found in layers.items() if len(found) > 1 and n in trainable)
+  return {n: found for n, found in layers.items() if n in trainable}
 
 
-def _planner_stages(profile, state, uniform=False):
+def _planner_stages(profile, state, accept_stages=None):
   """The plan ``epl.plan.auto.plan_pipeline`` chooses for the job's devices (its
   ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
   among the plans epl runs (``runnable``): (stage count, device_count per stage, each stage's
@@ -162,8 +181,9 @@ def _planner_stages(profile, state, uniform=False):
     return None if layout is None else sum(layout[1]) * micro
   try:
     plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                         cost_model="simulate", accept=runnable(per_worker, workers, uniform),
-                         micro_batches=micro_batches, memory=memory)
+                         cost_model="simulate", accept=runnable(per_worker, workers),
+                         micro_batches=micro_batches, memory=memory,
+                         accept_stages=accept_stages)
   except PlannerError as e:
     raise PlanError("auto.auto_parallel: no plan fits auto.device_memory=%s on %d device(s) "
                     "(%s): raise auto.device_memory, add devices, or lower "

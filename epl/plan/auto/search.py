@@ -67,7 +67,7 @@ class _Candidate:
 
 def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, speeds=None,
                   parameter_factor=4.0, schedule="1f1b", progress=None, accept=None,
-                  micro_batches=None):
+                  micro_batches=None, accept_stages=None):
   """Plans a pipeline for ``profile`` trained at global batch ``gbs`` on ``devices``.
 
   Args:
@@ -86,6 +86,9 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
     accept: optional ``callable(device_counts) -> bool`` over a plan's per-stage device
       counts: only plans it accepts (and pure data parallelism) are returned -- what a runtime
       can execute, e.g. epl's equal device count per stage.
+    accept_stages: optional ``callable(((layer ids, device count), ...)) -> bool`` over a
+      plan's stages, for what depends on the cut too (a variable read in two layers needs
+      their stages on as many devices in epl).
     micro_batches: optional ``callable(device_counts) -> M`` (or ``None``: cannot run): the
       micro-batch count a runtime would use for a plan with those per-stage device counts
       (epl keeps the global batch and trades model replicas for micro-batches); every plan
@@ -113,6 +116,9 @@ def plan_pipeline(profile, pbs, gbs, devices, cost_model="dapple", memory=None, 
   if accept is not None:
     found[:] = [c for c in found
                 if c is pure or accept(tuple(len(devices) for _, _, devices in c.placed))]
+  if accept_stages is not None:
+    found[:] = [c for c in found if c is pure or accept_stages(tuple(
+        (frozenset(w.layers(k, j)), len(devices)) for k, j, devices in c.placed))]
   if micro_batches is not None:
     found[:], pure = _at_micro_batches(w, model, found, pure, micro_batches)
   best = _final(w, model, found, pure, report, fixed=micro_batches is not None)
