@@ -180,7 +180,8 @@ def test_auto_parallel_runs_the_planners_per_stage_device_counts(monkeypatch, ca
   real = auto.plan_pipeline
   asked = []
 
-  def planner(profile, pbs, gbs, devices, cost_model, accept, micro_batches, memory):
+  def planner(profile, pbs, gbs, devices, cost_model, accept, micro_batches, memory,
+              accept_stages=None):
     asked.append((accept, micro_batches))
     plan = real(profile, pbs, gbs, devices, cost_model=cost_model, accept=accept,
                 micro_batches=micro_batches, memory=memory)
