@@ -47,6 +47,18 @@ class _Launchers:
   def make(self, rank):
     return elastic.Rendezvous(self.hosts, rank, on_joiner=self.joined.append, **self.args)
 
+  def rejoin(self, rank):
+    """A new launcher on host ``rank`` looks for its membership in a thread, until a
+    coordinator heard it ask to join (or 20 s): (the thread, {"found": its result})."""
+    self.rdv[rank] = self.make(rank)
+    back = {}
+    t = threading.Thread(target=lambda: back.update(found=self.rdv[rank].next_membership()))
+    t.start()
+    deadline = time.time() + 20
+    while not self.joined and time.time() < deadline:
+      time.sleep(0.1)
+    return t, back
+
   def gather(self, ranks, failed=True):
     """Every launcher of ``ranks`` looks for its next membership at once; their results."""
     found = {}
@@ -110,37 +122,25 @@ def test_a_silent_host_is_dropped_after_the_timeout_and_grows_back_at_the_next_g
   assert found == {0: elastic.Membership(1, (0, 1)), 1: elastic.Membership(1, (0, 1))}
   # host 2 comes back (a new launcher on it, or the old one reachable again): it learns it is
   # not a member, waits, and the coordinator (host 0) hears it asking to join
-  job.rdv[2] = job.make(2)
-  back = {}
-  t = threading.Thread(target=lambda: back.update(two=job.rdv[2].next_membership()))
-  t.start()
-  deadline = time.time() + 20
-  while not job.joined and time.time() < deadline:
-    time.sleep(0.1)
+  t, back = job.rejoin(2)
   assert job.joined == [2]
   assert job.rdv[2].phase == elastic.WAITING
   # the chief stopped at its checkpoint: 0 and 1 gather again, now with 2
   found = job.gather([0, 1])
   t.join(30)
   assert found == {0: elastic.Membership(2, (0, 1, 2)), 1: elastic.Membership(2, (0, 1, 2))}
-  assert back == {"two": elastic.Membership(2, (0, 1, 2))}
+  assert back == {"found": elastic.Membership(2, (0, 1, 2))}
 
 
 def test_a_dropped_host_with_the_lowest_rank_rejoins_and_host_1_coordinates(launchers):
   job = launchers(3, host_timeout=1, up=[1, 2])
   assert set(job.gather([1, 2]).values()) == {elastic.Membership(1, (1, 2))}
-  job.rdv[0] = job.make(0)
-  back = {}
-  t = threading.Thread(target=lambda: back.update(zero=job.rdv[0].next_membership()))
-  t.start()
-  deadline = time.time() + 20
-  while not job.joined and time.time() < deadline:
-    time.sleep(0.1)
+  t, back = job.rejoin(0)
   assert job.joined == [0]                              # heard by host 1, the coordinator
   found = job.gather([1, 2])
   t.join(30)
   assert set(found.values()) == {elastic.Membership(2, (0, 1, 2))}
-  assert back == {"zero": elastic.Membership(2, (0, 1, 2))}
+  assert back == {"found": elastic.Membership(2, (0, 1, 2))}
 
 
 def test_fewer_hosts_than_min_workers_wait_then_give_up_naming_who_answered(launchers):
@@ -228,6 +228,16 @@ def test_min_workers_needs_a_launcher_per_host_and_a_size_in_range(tmp_path):
                 "--log_dir", str(tmp_path / "logs"))
   assert (s.min_workers, s.host_timeout, s.elastic_workers) == (2, 9, 3)
   assert s.resize_file == str(tmp_path / "logs" / "resize.2")
+
+
+def test_min_workers_of_half_the_hosts_or_fewer_warns_of_split_networks(tmp_path, capsys):
+  _settings(tmp_path, "--num_workers", "4", "--machine_list", "a:1,b:2,c:3,d:4",
+            "--machine_rank", "0", "--min_workers", "2")
+  assert "--min_workers 2 of 4 hosts: both sides of a split network may train on" in \
+      capsys.readouterr().err
+  _settings(tmp_path, "--num_workers", "4", "--machine_list", "a:1,b:2,c:3,d:4",
+            "--machine_rank", "0", "--min_workers", "3")
+  assert "split network" not in capsys.readouterr().err
 
 
 def test_the_resizer_gives_each_membership_its_hosts_and_ranks_and_says_each_change(tmp_path):
