@@ -260,6 +260,11 @@ def _elastic(args, fail):
                                                                  args.num_workers))
   if args.host_timeout < 1:
     fail("--host_timeout must be >= 1 second")
+  if 2 * args.min_workers <= args.num_workers:
+    print("epl-launch: warning: --min_workers %d of %d hosts: both sides of a split network "
+          "may train on (each from the last checkpoint, into the same directory); more than "
+          "half the hosts (%d) prevents it" % (args.min_workers, args.num_workers,
+                                               args.num_workers // 2 + 1), file=sys.stderr)
   rank = args.machine_rank
   return {"min_workers": args.min_workers, "host_timeout": args.host_timeout,
           "elastic_workers": args.num_workers,
