@@ -153,6 +153,10 @@ KEYS = {k.name: k for k in [
        help="memory per device the planner's plan must fit (16GiB, 512MB, bytes); "
             "auto.auto_parallel then picks stages where data parallelism does not fit",
        requires="auto.auto_parallel"),
+    _k("auto.layout", "str", "",
+       help="the layout auto.auto_parallel runs without planning: '{\"split\": t, "
+            "\"micro_batches\": m}' (set by epl when it re-executes a process whose plan is "
+            "tensor parallel)", requires="auto.auto_parallel"),
     _k("launch.worker_index", "int", -1, help="set by epl-launch: this worker's rank"),
     _k("launch.machine_list", "str", "",
        help="under mpirun: every rank's host, in rank order (MPI does not tell a process "

@@ -19,7 +19,7 @@ from epl.collections_api import check_key
 from epl.config import Config
 from epl.env import Env
 from epl.errors import RuntimeStateError
-from epl.runtime import driver, elastic, heartbeat, watchdog
+from epl.runtime import auto_tp, driver, elastic, heartbeat, watchdog
 from epl.runtime.hooks import Dispatcher
 from epl.runtime.state import GraphState
 
@@ -91,6 +91,9 @@ def init(config=None):
   if cluster.distributed:
     _start_job(state, placement)
   activate(state)
+  layout = auto_tp.layout_of(config)
+  if layout is not None:
+    auto_tp.open_scope(state, layout, _recorder)
   if config.launch.parent_pid:
     watchdog.watch_launcher(config.launch.parent_pid)
   if cluster.distributed:

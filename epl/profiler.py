@@ -126,11 +126,8 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
   forward_ms, backward_ms, out_bytes = _timed(sess, fetches, feed_dict, steps, index, crossing,
                                               of)
   params = collections.Counter()
-  for var in trainable:
-    layer = _parameter_layer(var, index, of)
-    if layer is not None:
-      shape, dtype = variable_shape(var), variable_dtype(var)
-      params[layer] += int(np.prod(shape.as_list())) * dtype.size
+  for layer, variables in layer_parameters(trainable, layering).items():
+    params[layer] = sum(nbytes for _, _, nbytes in variables)
   edges = []
   for layer in order:
     readers = {_reader(c, index, of) for op in forward_ops[layer] for t in op.outputs
@@ -142,6 +139,20 @@ def profile(sess, fetches, feed_dict=None, steps=3, graph=None, trainable=None):
                      float(params[layer]))
                 for i, layer in enumerate(order))
   return Profile(nodes, tuple(edges))
+
+
+def layer_parameters(trainable, layering):
+  """{layer: [(variable op, shape list, bytes)]} of the trained variables ``trainable`` (ops),
+  each counted in one layer of ``layering`` (``_parameter_layer``)."""
+  index = {layer: i for i, layer in enumerate(layering.order)}
+  out = {}
+  for var in trainable:
+    layer = _parameter_layer(var, index, layering.of)
+    if layer is not None:
+      shape, dtype = variable_shape(var), variable_dtype(var)
+      out.setdefault(layer, []).append(
+          (var, shape.as_list(), int(np.prod(shape.as_list())) * dtype.size))
+  return out
 
 
 def _parameter_layer(var, index, of):

@@ -99,6 +99,7 @@ ALONE = {
                            "tests/test_multiworker.py::test_io_slicing_each_worker_reads_only_its_files"),
     "auto.auto_parallel": (True, {}, lambda pg, g, l: pg.plan.taskgraphs[0].name == "stage_0"),
     "auto.device_memory": ("1TB", {"auto.auto_parallel": True}, "tests/test_auto_memory.py::test_a_budget_data_parallelism_cannot_meet_gives_pipeline_stages"),
+    "auto.layout": ('{"split": 2, "micro_batches": 2}', {"auto.auto_parallel": True, "cluster.devices_per_worker": 2}, "tests/test_auto_tp.py::test_auto_layout_builds_the_model_split_and_trains_the_local_model"),
     "launch.worker_index": (0, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.parent_pid": (1, {}, "tests/test_launch.py::test_local_workers_get_tf_config_and_devices"),
     "launch.machine_list": ("a,b", {}, "tests/test_scheduler.py::test_mpirun_epl_launch_two_ranks_on_one_host_train_the_local_model"),

@@ -133,6 +133,7 @@ def _gradients_hook(original):
       return original(*args, **kwargs)
     bound = bind(*args, **kwargs)
     bound.arguments["colocate_gradients_with_ops"] = True
+    _state.listener.before_gradients(graph)
     first = graph.version + 1
     with _differentiating():
       result = original(*bound.args, **bound.kwargs)

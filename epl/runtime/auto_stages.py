@@ -32,6 +32,7 @@ from epl.errors import PlanError
 from epl.op_tables import READ_OPS, VARIABLE_OPS
 from epl.plan.auto.balance import balance_stages
 from epl.plan.split import op_ranks
+from epl.runtime import auto_tp
 
 log = logging.getLogger("epl")
 
@@ -64,7 +65,10 @@ def annotate_stages(state):
     if groups:
       log.info("auto.auto_parallel: %s read in several layers: their stages keep as many "
                "devices", ", ".join(sorted(n for n, l in readers.items() if len(l) > 1)))
-    k, counts, cut, micro = _planner_stages(profile, state, same_copies(groups))
+    try:
+      k, counts, cut, micro = _planner_stages(profile, state, same_copies(groups))
+    except PlanError as e:
+      _split_instead(profile, state, layering, e)
     recorder.micro_batches = micro
   if len(profile.nodes) < k:
     raise PlanError(
@@ -163,32 +167,15 @@ def _planner_stages(profile, state, accept_stages=None):
   ``simulate`` cost model, the profiled batch per micro-batch, the configured micro-batches),
   among the plans epl runs (``runnable``): (stage count, device_count per stage, each stage's
   (first, last) layer index)."""
-  from epl.plan.auto import DeviceSpec, PlannerError, plan_pipeline
-  from epl.plan.auto.devices import parse_bytes
   cluster, config = state.cluster, state.config
-  memory = None
-  if config.auto.device_memory:
-    try:
-      memory = parse_bytes(config.auto.device_memory)
-    except PlannerError as e:
-      raise PlanError("auto.device_memory: %s" % e) from None
   per_worker, workers = cluster.gpu_num_per_worker, cluster.worker_num
-  devices = DeviceSpec.parse(",".join(str(per_worker * (w + 1)) for w in range(workers)))
   micro = config.pipeline.num_micro_batch
-  replicas = per_worker * workers
   def micro_batches(counts):           # the data-parallel model's global batch, kept
     layout = epl_layout(counts, per_worker, workers)
     return None if layout is None else sum(layout[1]) * micro
-  try:
-    plan = plan_pipeline(profile, UNKNOWN_DIM, UNKNOWN_DIM * micro * replicas, devices,
-                         cost_model="simulate", accept=runnable(per_worker, workers),
-                         micro_batches=micro_batches, memory=memory,
-                         accept_stages=accept_stages)
-  except PlannerError as e:
-    raise PlanError("auto.auto_parallel: no plan fits auto.device_memory=%s on %d device(s) "
-                    "(%s): raise auto.device_memory, add devices, or lower "
-                    "pipeline.num_micro_batch's rows per micro-batch"
-                    % (config.auto.device_memory, replicas, e)) from None
+  plan = _plan(profile, state, per_worker, runnable(per_worker, workers), micro_batches,
+               accept_stages)
+  memory = _budget(config)
   k = len(plan.stages)
   copies, counts = epl_layout(plan.replicas, per_worker, workers)
   index = {n.id: i for i, n in enumerate(profile.nodes)}
@@ -204,6 +191,69 @@ def _planner_stages(profile, state, accept_stages=None):
            max(plan.peak_memory_per_device),
            "" if memory is None else ", auto.device_memory %d" % memory)
   return k, counts, cut, plan.micro_batches
+
+
+def _budget(config):
+  """auto.device_memory in bytes, or None."""
+  from epl.plan.auto import PlannerError
+  from epl.plan.auto.devices import parse_bytes
+  if not config.auto.device_memory:
+    return None
+  try:
+    return parse_bytes(config.auto.device_memory)
+  except PlannerError as e:
+    raise PlanError("auto.device_memory: %s" % e) from None
+
+
+def _devices(per_worker, workers):
+  from epl.plan.auto import DeviceSpec
+  return DeviceSpec.parse(",".join(str(per_worker * (w + 1)) for w in range(workers)))
+
+
+def _plan(profile, state, per_worker, accept, micro_batches, accept_stages=None):
+  """``plan_pipeline``'s plan (the ``simulate`` cost model) of ``profile`` on ``per_worker``
+  devices of each of the job's workers, keeping the data-parallel model's global batch."""
+  from epl.plan.auto import PlannerError, plan_pipeline
+  config, workers = state.config, state.cluster.worker_num
+  replicas = state.cluster.gpu_num_per_worker * workers
+  try:
+    return plan_pipeline(profile, UNKNOWN_DIM,
+                         UNKNOWN_DIM * config.pipeline.num_micro_batch * replicas,
+                         _devices(per_worker, workers), cost_model="simulate", accept=accept,
+                         micro_batches=micro_batches, memory=_budget(config),
+                         accept_stages=accept_stages)
+  except PlannerError as e:
+    raise PlanError("auto.auto_parallel: no plan fits auto.device_memory=%s on %d device(s) "
+                    "(%s): raise auto.device_memory, add devices, or lower "
+                    "pipeline.num_micro_batch's rows per micro-batch"
+                    % (config.auto.device_memory, replicas, e)) from None
+
+
+def _split_instead(profile, state, layering, error):
+  """No data-parallel or pipeline plan fits auto.device_memory: the smallest tensor-parallel
+  degree whose plan fits re-executes the process with it (epl.runtime.auto_tp), else
+  ``error``."""
+  config, cluster = state.config, state.cluster
+  if not config.auto.device_memory:
+    raise error
+  per_worker, micro = cluster.gpu_num_per_worker, config.pipeline.num_micro_batch
+  spec = _devices(per_worker, cluster.worker_num)
+  trainable = [v.op for v in state.graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES)]
+
+  def plan_at(make_profile, degree):
+    return _plan(make_profile(spec), state, per_worker // degree,
+                 lambda counts: len(counts) == 1, lambda counts: degree * micro)
+
+  found = auto_tp.choose(profile, plan_at, per_worker, layering, trainable)
+  if found is None:
+    raise PlanError("%s; nor does tensor parallelism (epl.split of degree %s)" % (
+        error, " or ".join(map(str, auto_tp.degrees(per_worker))) or "none: 1 device"))
+  degree, plan = found
+  log.info("auto.auto_parallel: no data-parallel or pipeline plan fits auto.device_memory=%s; "
+           "epl.split(%d) x %d model replica(s) does (predicted peak %d bytes per device, "
+           "step %.3g s)", config.auto.device_memory, degree, plan.replicas[0],
+           max(plan.peak_memory_per_device), plan.predicted_iteration_s)
+  auto_tp.relaunch({"split": degree, "micro_batches": degree * micro}, cluster)
 
 
 def _profile(graph, recorder):

@@ -16,7 +16,7 @@ from epl.amp import apply_amp
 from epl.op_tables import VARIABLE_OPS, variable_dtype, variable_shape
 from epl.passes.context import RewriteContext
 from epl.plan.build import build_plan
-from epl.runtime import serve
+from epl.runtime import auto_tp, serve
 from epl.runtime.auto_stages import annotate_stages
 from epl.runtime.feeds import FeedSplitter
 from epl.runtime.fetch import FetchMapper
@@ -50,6 +50,7 @@ def transform(state):
   stage cut (auto.auto_parallel)."""
   if state.amp is None and state.config.amp.level:
     state.amp = apply_amp(state.graph, state.recorder, state.config)
+  auto_tp.close_scope(state)
   annotate_stages(state)
 
 

@@ -17,7 +17,7 @@ from epl.sharding.sharded import SplitScope
 from epl.io_slicing import assign_files
 from epl.launch import status as launch_status
 from epl.op_tables import VARIABLE_OPS
-from epl.runtime import checkpoints, driver, elastic, serve
+from epl.runtime import auto_tp, checkpoints, driver, elastic, serve
 from epl.runtime.session_config import session_config
 from epl.runtime.step import StepCall, StepChain
 
@@ -106,6 +106,10 @@ class Dispatcher:
       scope = self._split_scopes[index] = SplitScope(count, recorder, index,
                                                      functools.partial(_rank_of, graph))
     return scope
+
+  def before_gradients(self, graph):
+    """The model is built: auto.layout's split scope ends here (epl.runtime.auto_tp)."""
+    auto_tp.close_scope(self.state)
 
   def on_gradients(self, graph, xs, grads):
     """Records (raw gradient, variable op) for every variable among ``xs``."""

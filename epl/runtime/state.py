@@ -23,6 +23,7 @@ class GraphState:
     self.feeds = None           # epl.runtime.feeds.FeedSplitter alongside it
     self.heartbeat = None       # epl.runtime.heartbeat.Heartbeat of a multi-worker worker
     self.exits = None           # epl.runtime.heartbeat.ExitCode alongside it
+    self.auto_scope = None      # auto.layout's split scope until the first gradients
 
   def bind(self, graph):
     """Manages ``graph`` from now on (before anything was recorded for another one)."""
