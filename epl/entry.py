@@ -48,8 +48,9 @@ def _start_job(state, placement):
         cluster.worker_hosts)
     state.server = server.start_server(cluster)
     server.meet_peers(state.server, cluster, job_id, limit)
+    state.start_round = server.next_barrier()
     server.barrier(state.server, cluster, max(1.0, limit - (time.time() - started)),
-                   instance=server.next_barrier())
+                   instance=state.start_round)
     server.publish(state.server, cluster, job_id, server.RUNNING)
 
 

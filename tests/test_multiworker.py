@@ -448,3 +448,38 @@ def test_zero_across_workers_checkpoint_holds_every_owners_slots(tmp_path, level
   assert len(weights) == 4
   for name in weights:                    # trained, whichever worker owns them
     assert not np.allclose(reader.get_tensor(name), start[name]), name
+
+
+def test_auto_parallel_across_workers_runs_worker_0s_plan(tmp_path):
+  """auto.auto_parallel with 2 stages on 2 workers x 2 devices: the stages come from measured
+  times, which can differ between workers; worker 1 is made to cut them elsewhere
+  (TEST_SKEW_PLAN), so acting on its own plan would build another graph than worker 0's.
+  Every worker takes worker 0's plan (published on its task) and trains the local model."""
+  steps, batch, micro = 4, 4, 2
+  local = local_run(tmp_path, models.mlp, 2 * batch * micro, steps, seed=4)
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", str(steps), str(batch),
+                "auto"], env={"EPL_AUTO_AUTO_PARALLEL": "true", "EPL_PIPELINE_NUM_STAGES": "2",
+                              "EPL_PIPELINE_NUM_MICRO_BATCH": str(micro), "TEST_SKEW_PLAN": "1"})
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = [dict(np.load(tmp_path / ("worker_%d.npz" % w))) for w in range(2)]
+  losses = np.mean([r["__losses__"] for r in results], axis=0)
+  np.testing.assert_allclose(losses, local.losses, rtol=1e-5, atol=1e-5)
+  for r in results:
+    for name, value in local.variables.items():
+      np.testing.assert_allclose(r[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_auto_parallel_error_on_worker_0_ends_every_worker_with_it(tmp_path):
+  """Worker 0's plan fails (more stages than the model has layers): the others, which wait
+  for its plan instead of making their own, end with its error, not a start-up timeout."""
+  local_run(tmp_path, models.mlp, 8, 1, seed=4)
+  out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                str(tmp_path / "logs"), WORKER, str(tmp_path), "mlp", "1", "4", "auto"],
+               env={"EPL_AUTO_AUTO_PARALLEL": "true", "EPL_PIPELINE_NUM_STAGES": "9"})
+  assert out.returncode != 0 and out.seconds < 60, out      # not the start-up timeout
+  logs = [(tmp_path / "logs" / ("worker_%d.log" % w)).read_text() for w in range(2)]
+  assert "PlanError: auto.auto_parallel: the model has" in logs[0], logs[0][-3000:]
+  # worker 1 ends with worker 0's error, or is stopped by epl-launch first
+  assert "PlanError: auto.auto_parallel on worker 0: auto.auto_parallel: the model has" in \
+      logs[1] or "Traceback" not in logs[1], logs[1][-3000:]

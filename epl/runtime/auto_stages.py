@@ -32,7 +32,7 @@ from epl.errors import PlanError
 from epl.op_tables import READ_OPS, VARIABLE_OPS
 from epl.plan.auto.balance import balance_stages
 from epl.plan.split import op_ranks
-from epl.runtime import auto_tp
+from epl.runtime import auto_tp, server
 
 log = logging.getLogger("epl")
 
@@ -53,12 +53,49 @@ def annotate_stages(state):
     raise PlanError("auto.device_memory=%s is the planner's budget, but pipeline.num_stages=%d "
                     "fixes the stages without it: drop one of the two keys"
                     % (config.auto.device_memory, k))
-  profile = _profile(graph, recorder)
-  counts = None
   layering = profiler.Layering(graph, [v.op for v in graph.get_collection(
       tf.GraphKeys.TRAINABLE_VARIABLES)])
+  decide = functools.partial(_decide, state, layering, k)
+  if state.server is None or state.cluster.worker_num == 1:
+    decision = decide()
+  else:     # a plan from measured times: worker 0's, on every worker
+    decision = server.agreed(state.server, state.cluster, decide, state.start_round,
+                             config.cluster.startup_timeout + 120)
+    if "error" in decision:
+      raise PlanError("auto.auto_parallel on worker 0: %s" % decision["error"])
+  if "layout" in decision:
+    auto_tp.relaunch(decision["layout"], state.cluster)
+  if decision["layers"] != layering.order:
+    raise PlanError("auto.auto_parallel: worker 0 planned the layers %s, this worker built %s: "
+                    "every worker must build the same model" % (
+                        ", ".join(decision["layers"]), ", ".join(layering.order)))
+  k, counts, stages, ms = (decision[key] for key in ("k", "counts", "cut", "ms"))
+  if decision["micro"]:
+    recorder.micro_batches = decision["micro"]
+  _, rank = op_ranks(graph, graph.version)
+  first = {}
+  for op in graph.get_operations():
+    layer, backward = layering.of(op.name)
+    if layer is not None and not backward:
+      first[layer] = min(first.get(layer, rank[op]), rank[op])
+  names = layering.order
+  starts = [0] + [first[names[a]] - 1 for a, _ in stages[1:]]
+  recorder.auto_stages(starts, "auto.auto_parallel", counts)
+  log.info("auto.auto_parallel: %d stage(s): %s", k, "; ".join(
+      "%s (%.2f ms%s)" % (",".join(names[a:b + 1]), sum(ms[a:b + 1]),
+                          ", device_count %d" % counts[i] if counts else "")
+      for i, (a, b) in enumerate(stages)))
+
+
+def _decide(state, layering, k):
+  """The stages from this worker's profile: {"layers", "ms" (each layer's forward + backward),
+  "k", "counts" (None: one device each), "cut" ([first, last] layer per stage), "micro"
+  (None: the configured)}, or {"layout": ...} where only tensor parallelism fits."""
+  profile = _profile(state.graph, state.recorder)
+  names, ms = [n.name for n in profile.nodes], [n.compute_ms for n in profile.nodes]
+  counts = micro = None
   if k == -1:
-    readers = _readers(graph, layering, {n.name for n in profile.nodes})
+    readers = _readers(state.graph, layering, set(names))
     ids = {n.name: n.id for n in profile.nodes}
     groups = [frozenset(ids[l] for l in layers) for layers in readers.values()
               if len(layers) > 1]
@@ -68,28 +105,16 @@ def annotate_stages(state):
     try:
       k, counts, cut, micro = _planner_stages(profile, state, same_copies(groups))
     except PlanError as e:
-      _split_instead(profile, state, layering, e)
-    recorder.micro_batches = micro
-  if len(profile.nodes) < k:
+      return {"layout": _split_instead(profile, state, layering, e)}
+  if len(names) < k:
     raise PlanError(
         "auto.auto_parallel: the model has %d layer(s) (its name scopes: %s) but "
         "pipeline.num_stages is %d; build the model under name scopes (one per block) or lower "
-        "num_stages" % (len(profile.nodes), ", ".join(n.name for n in profile.nodes) or "none",
-                        k))
-  stages = cut if counts else balance_stages([n.compute_ms for n in profile.nodes], k)
-  _, rank = op_ranks(graph, graph.version)
-  first = {}
-  for op in graph.get_operations():
-    layer, backward = layering.of(op.name)
-    if layer is not None and not backward:
-      first[layer] = min(first.get(layer, rank[op]), rank[op])
-  starts = [0] + [first[profile.nodes[a].name] - 1 for a, _ in stages[1:]]
-  recorder.auto_stages(starts, "auto.auto_parallel", counts)
-  log.info("auto.auto_parallel: %d stage(s): %s", k, "; ".join(
-      "%s (%.2f ms%s)" % (",".join(n.name for n in profile.nodes[a:b + 1]),
-                          sum(n.compute_ms for n in profile.nodes[a:b + 1]),
-                          ", device_count %d" % counts[i] if counts else "")
-      for i, (a, b) in enumerate(stages)))
+        "num_stages" % (len(names), ", ".join(names) or "none", k))
+  if not counts:
+    cut = balance_stages(ms, k)
+  return {"layers": names, "ms": ms, "k": k, "counts": list(counts) if counts else None,
+          "cut": [list(c) for c in cut], "micro": micro}
 
 
 def epl_layout(counts, per_worker, workers):
@@ -230,9 +255,9 @@ def _plan(profile, state, per_worker, accept, micro_batches, accept_stages=None)
 
 
 def _split_instead(profile, state, layering, error):
-  """No data-parallel or pipeline plan fits auto.device_memory: the smallest tensor-parallel
-  degree whose plan fits re-executes the process with it (epl.runtime.auto_tp), else
-  ``error``."""
+  """No data-parallel or pipeline plan fits auto.device_memory: the layout of the smallest
+  tensor-parallel degree whose plan fits (epl.runtime.auto_tp re-executes the process with
+  it), else ``error``."""
   config, cluster = state.config, state.cluster
   if not config.auto.device_memory:
     raise error
@@ -253,7 +278,7 @@ def _split_instead(profile, state, layering, error):
            "epl.split(%d) x %d model replica(s) does (predicted peak %d bytes per device, "
            "step %.3g s)", config.auto.device_memory, degree, plan.replicas[0],
            max(plan.peak_memory_per_device), plan.predicted_iteration_s)
-  auto_tp.relaunch({"split": degree, "micro_batches": degree * micro}, cluster)
+  return {"split": degree, "micro_batches": degree * micro}
 
 
 def _profile(graph, recorder):

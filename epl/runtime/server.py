@@ -275,3 +275,60 @@ def barrier(server, cluster, timeout, instance=1, size=None, group_key=BARRIER_G
             type(e).__name__, str(e).splitlines()[0])) from None
   assert int(joined) == size
   log.debug("barrier: all %d workers joined in %.1f s", size, time.time() - start)
+
+
+DECISION_VARIABLE = "epl.decision"     # shared name of the string worker 0 publishes
+
+
+def _decision_variable():
+  with tf.device("/job:%s/replica:0/task:0/device:CPU:0" % JOB):
+    return tf.raw_ops.VariableV2(shape=[], dtype=tf.string, shared_name=DECISION_VARIABLE,
+                                 name="decision")
+
+
+def agreed(server, cluster, decide, round_key, timeout, pause=0.2, clock=time.time):
+  """The JSON-able dict ``decide()`` returns on worker 0, on every worker: a decision each
+  worker could make differently (a plan from measured times) is worker 0's. Worker 0
+  publishes it (an exception of ``decide`` as {"error": its message}, then re-raised) in a
+  variable on its task; the others read it there (``round_key``: this start's, so a value of
+  an earlier epl.init is not taken) and never call ``decide``."""
+  import json
+  if cluster.worker_index == 0:
+    try:
+      decision = dict(decide())
+    except EplError as e:
+      decision = {"error": str(e), "kind": type(e).__name__}
+      _publish_decision(server, cluster, json.dumps(dict(decision, round=round_key)))
+      raise
+    _publish_decision(server, cluster, json.dumps(dict(decision, round=round_key)))
+    return decision
+  graph = tf.Graph()
+  with graph.as_default():
+    read = tf.identity(_decision_variable())
+  deadline = clock() + timeout
+  while True:
+    try:
+      with tf.Session(server.target, graph=graph,
+                      config=_probe_config(server, cluster, 0)) as sess:
+        value = json.loads(sess.run(read, options=tf.RunOptions(
+            timeout_in_ms=_PEER_READ_MS)).decode("utf-8"))
+      if value.pop("round", None) == round_key:
+        return value
+    except (tf.errors.FailedPreconditionError, tf.errors.UnavailableError,
+            tf.errors.DeadlineExceededError, tf.errors.AbortedError):
+      pass                                   # not published yet
+    if clock() > deadline:
+      raise StartupError(
+          "worker %d: worker 0 (%s) did not publish its decision within %.0f s (it makes the "
+          "choices every worker must share, e.g. auto.auto_parallel's plan); check worker "
+          "0's log, or raise cluster.startup_timeout" % (
+              cluster.worker_index, cluster.worker_hosts[0], timeout))
+    time.sleep(pause)
+
+
+def _publish_decision(server, cluster, text):
+  graph = tf.Graph()
+  with graph.as_default():
+    assign = tf.assign(_decision_variable(), text, validate_shape=False)
+  with tf.Session(server.target, graph=graph, config=_task_filter(0)) as sess:
+    sess.run(assign)

@@ -23,6 +23,7 @@ class GraphState:
     self.feeds = None           # epl.runtime.feeds.FeedSplitter alongside it
     self.heartbeat = None       # epl.runtime.heartbeat.Heartbeat of a multi-worker worker
     self.exits = None           # epl.runtime.heartbeat.ExitCode alongside it
+    self.start_round = 0        # the start-up barrier's instance (epl.runtime.server)
     self.auto_scope = None      # auto.layout's split scope until the first gradients
 
   def bind(self, graph):

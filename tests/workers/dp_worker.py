@@ -3,7 +3,9 @@
 usage: dp_worker.py OUT_DIR MODEL STEPS BATCH [COUNTS]
 Reads OUT_DIR/data.npz and OUT_DIR/initial.npz, trains on this worker's shard (by
 worker_index), writes OUT_DIR/worker_<i>.npz with the per-step losses and final variables.
-COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices.
+COUNTS (e.g. ``2,1``): the model's stages, each ``epl.replicate`` on that many devices;
+``auto``: no annotation (auto.auto_parallel from the environment, 2 stages of 1 device
+expected). TEST_SKEW_PLAN=1: workers other than 0 would cut the stages elsewhere.
 TEST_PIECE_BYTES: the size of the pieces a cross-worker all-reduce is cut into (default
 epl.collectives.PIECE_BYTES, 2 MiB: the test models' gradients are smaller).
 TEST_EVERY_STEP=1: also read every variable right after each step and save them as
@@ -37,6 +39,19 @@ def shard(data, workers, index, copies, batch, steps):
   return tuple(a[rows] for a in data)
 
 
+def _skew_plan():
+  """This worker's own balance of the stages moves the first cut by one layer: it plans
+  differently from worker 0 (as close timings can), which a job must not act on."""
+  from epl.runtime import auto_stages
+  balance = auto_stages.balance_stages
+
+  def skewed(costs, k):
+    cut = balance(costs, k)
+    end = cut[0][1] + (1 if cut[0][1] == 0 else -1)
+    return ((0, end), (end + 1, len(costs) - 1))
+  auto_stages.balance_stages = skewed
+
+
 def main():
   out, model, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
   raw = np.load(os.path.join(out, "data.npz"))
@@ -46,7 +61,11 @@ def main():
   config = epl.Config()
   cluster, _ = epl.cluster.Cluster.from_process(        # TF_CONFIG, or Slurm's / MPI's
       config.cluster.devices_per_worker, os.environ, 0)
-  counts = [int(c) for c in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
+  auto = len(sys.argv) > 5 and sys.argv[5] == "auto"
+  if auto and os.environ.get("TEST_SKEW_PLAN") and cluster.worker_index > 0:
+    _skew_plan()
+  counts = [1, 1] if auto else \
+      [int(c) for c in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
   per, here = sum(counts), cluster.gpu_num_per_worker
   if per > here:     # a replica spans workers: the worker of its first device reads its batch
     data = shard((raw["x"], raw["y"]), cluster.worker_num * here // per,
@@ -56,8 +75,9 @@ def main():
     data = shard((raw["x"], raw["y"]), cluster.worker_num, cluster.worker_index,
                  here // per * config.pipeline.num_micro_batch, batch, steps)
   res = run_model(getattr(models, model), data, batch, steps, config=config, initial=initial,
-                  strategies=[(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
-                              for i, k in enumerate(counts)],
+                  strategies=None if auto else
+                  [(lambda i=i, k=k: epl.replicate(k, name="stage_%d" % i))
+                   for i, k in enumerate(counts)],
                   every_step=bool(os.environ.get("TEST_EVERY_STEP")),
                   alternate=bool(os.environ.get("TEST_ALTERNATE")),
                   clip_norm=float(os.environ["TEST_CLIP_NORM"]) if os.environ.get(
