@@ -78,7 +78,10 @@ def init(config=None):
     raise RuntimeStateError("epl.init(config): expected an epl.Config, got %r" % (config,))
   graph = tf.get_default_graph()
   previous = Env._current._state if Env._current is not None else None  # pylint: disable=protected-access
-  if previous is not None and previous.graph is graph and previous.recorder.specs:
+  if previous is not None:
+    auto_tp.close_scope(previous)
+  if previous is not None and previous.graph is graph and any(
+      s.name != auto_tp.SCOPE_NAME for s in previous.recorder.specs):
     raise RuntimeStateError(
         "epl.init() was already called for this graph, and the TaskGraph(s) annotated since "
         "(%s) would be dropped; call epl.init() once, before building the model (or build the "
@@ -87,12 +90,12 @@ def init(config=None):
   cluster, placement = Cluster.from_process(config.cluster.devices_per_worker, os.environ,
                                             _visible_gpus())
   _configure_logging(config, cluster, placement)
+  layout = auto_tp.layout_of(config)          # a bad one fails before the job starts
   config = elastic.keep_global_batch(config, cluster.worker_num)
   state = GraphState(graph, config, cluster)
   if cluster.distributed:
     _start_job(state, placement)
   activate(state)
-  layout = auto_tp.layout_of(config)
   if layout is not None:
     auto_tp.open_scope(state, layout, _recorder)
   if config.launch.parent_pid:

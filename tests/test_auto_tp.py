@@ -156,3 +156,25 @@ def test_the_tensor_parallel_profile_divides_compute_and_cut_weights_and_adds_al
   assert (norm.forward_ms, norm.backward_ms, norm.parameter_bytes) == pytest.approx(
       (0.5, 0.5, 100.0))            # nothing cut: no all-reduce, its weights whole
   assert auto_tp.degrees(8) == [2, 4, 8] and auto_tp.degrees(6) == [2, 3, 6]
+
+
+LAYOUT = {"auto.auto_parallel": True, "auto.layout": '{"split": 2, "micro_batches": 1}',
+          "cluster.devices_per_worker": 2}
+
+
+def test_the_second_pass_refuses_a_model_built_before_epl_init():
+  with tf.Graph().as_default():
+    tf.get_variable("w", [2, 2])
+    with pytest.raises(epl.errors.PlanError, match="call epl.init before building the model"):
+      epl.init(epl.Config(LAYOUT))
+
+
+def test_epl_init_again_ends_the_scope_a_graph_never_differentiated_left_open():
+  with tf.Graph().as_default():
+    epl.init(epl.Config(LAYOUT))          # the scope opens; no tf.gradients follows
+    tf.get_variable("w", [2, 2])
+  for config in (LAYOUT, {}):
+    with tf.Graph().as_default():         # not "epl scopes cannot be nested"
+      epl.init(epl.Config(config))
+      with epl.replicate(1) if not config else contextlib.nullcontext():
+        tf.get_variable("v", [2, 2])

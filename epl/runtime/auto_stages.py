@@ -65,11 +65,8 @@ def annotate_stages(state):
       raise PlanError("auto.auto_parallel on worker 0: %s" % decision["error"])
   if "layout" in decision:
     auto_tp.relaunch(decision["layout"], state.cluster)
-  if decision["layers"] != layering.order:
-    raise PlanError("auto.auto_parallel: worker 0 planned the layers %s, this worker built %s: "
-                    "every worker must build the same model" % (
-                        ", ".join(decision["layers"]), ", ".join(layering.order)))
-  k, counts, stages, ms = (decision[key] for key in ("k", "counts", "cut", "ms"))
+  k, counts, stages, ms, names = (decision[key] for key in ("k", "counts", "cut", "ms",
+                                                            "layers"))
   if decision["micro"]:
     recorder.micro_batches = decision["micro"]
   _, rank = op_ranks(graph, graph.version)
@@ -78,7 +75,11 @@ def annotate_stages(state):
     layer, backward = layering.of(op.name)
     if layer is not None and not backward:
       first[layer] = min(first.get(layer, rank[op]), rank[op])
-  names = layering.order
+  missing = [n for n in names if n not in first]
+  if missing:
+    raise PlanError("auto.auto_parallel: worker 0 planned the layers %s; this worker has no "
+                    "forward ops in %s: every worker must build the same model"
+                    % (", ".join(names), ", ".join(missing)))
   starts = [0] + [first[names[a]] - 1 for a, _ in stages[1:]]
   recorder.auto_stages(starts, "auto.auto_parallel", counts)
   log.info("auto.auto_parallel: %d stage(s): %s", k, "; ".join(

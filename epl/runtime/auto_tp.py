@@ -22,11 +22,13 @@ import json
 import logging
 import os
 import sys
+import threading
 
 from epl import annotate
 from epl import profiler
 from epl.config import KEYS
 from epl.errors import ConfigError, PlanError
+from epl.op_tables import VARIABLE_OPS
 from epl.plan.auto.profile import Profile
 from epl.sharding.rules import split_axis
 
@@ -109,10 +111,14 @@ def layout_of(config):
 def open_scope(state, layout, recorder_of_graph):
   """Opens the ``auto_split`` scope the second pass builds the model in (epl.init)."""
   from epl import _tf_compat as compat
+  if any(op.type in VARIABLE_OPS for op in state.graph.get_operations()):
+    raise PlanError("auto.layout=%s splits the model built after epl.init, but this graph "
+                    "has variables already: call epl.init before building the model"
+                    % json.dumps(layout, sort_keys=True))
   scope = annotate.Strategy(annotate.SPLIT, layout["split"], SCOPE_NAME, recorder_of_graph,
                             context=compat.split_variables)
   scope.__enter__()
-  state.auto_scope = scope
+  state.auto_scope, state.auto_scope_thread = scope, threading.get_ident()
   state.recorder.micro_batches = layout["micro_batches"]
   log.info("auto.auto_parallel: the model is built in epl.split(%d) (auto.layout), %d "
            "micro-batch(es) per model replica", layout["split"], layout["micro_batches"])
@@ -120,9 +126,11 @@ def open_scope(state, layout, recorder_of_graph):
 
 def close_scope(state):
   """Closes the ``auto_split`` scope (before the first gradients, or at the rewrite)."""
-  scope, state.auto_scope = state.auto_scope, None
-  if scope is not None:
-    scope.__exit__(None, None, None)
+  scope = state.auto_scope
+  if scope is None or state.auto_scope_thread != threading.get_ident():
+    return               # another thread's graph building: the opening thread closes it
+  state.auto_scope = None
+  scope.__exit__(None, None, None)
 
 
 def relaunch(layout, cluster):
@@ -138,6 +146,10 @@ def relaunch(layout, cluster):
         "auto.layout=%s on every worker (e.g. %s=true %s=%r before epl-launch)"
         % (text, cluster.worker_num, text, KEYS["auto.auto_parallel"].env_name,
            KEYS["auto.layout"].env_name, text))
+  if not sys.argv or sys.argv[0] in ("", "-c") or hasattr(sys, "ps1"):
+    raise PlanError("auto.auto_parallel chose the layout %s, which runs in a re-executed "
+                    "process, but this one is interactive or `python -c`: run the script as "
+                    "a file, or %s" % (text, how))
   if os.environ.get("PYTEST_CURRENT_TEST"):
     raise PlanError("auto.auto_parallel chose the layout %s, which runs in a re-executed "
                     "process, but this one is a pytest run (re-executing it would run the "

@@ -296,11 +296,12 @@ def agreed(server, cluster, decide, round_key, timeout, pause=0.2, clock=time.ti
   if cluster.worker_index == 0:
     try:
       decision = dict(decide())
-    except EplError as e:
-      decision = {"error": str(e), "kind": type(e).__name__}
-      _publish_decision(server, cluster, json.dumps(dict(decision, round=round_key)))
+      text = json.dumps(dict(decision, round=round_key))
+    except Exception as e:              # every error: the others must not wait for a plan
+      message = str(e) if isinstance(e, EplError) else "%s: %s" % (type(e).__name__, e)
+      _publish_decision(server, cluster, json.dumps({"error": message, "round": round_key}))
       raise
-    _publish_decision(server, cluster, json.dumps(dict(decision, round=round_key)))
+    _publish_decision(server, cluster, text)
     return decision
   graph = tf.Graph()
   with graph.as_default():

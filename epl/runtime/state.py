@@ -25,6 +25,7 @@ class GraphState:
     self.exits = None           # epl.runtime.heartbeat.ExitCode alongside it
     self.start_round = 0        # the start-up barrier's instance (epl.runtime.server)
     self.auto_scope = None      # auto.layout's split scope until the first gradients
+    self.auto_scope_thread = None   # the thread that opened it (scopes are thread-local)
 
   def bind(self, graph):
     """Manages ``graph`` from now on (before anything was recorded for another one)."""
