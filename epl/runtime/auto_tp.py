@@ -146,14 +146,14 @@ def relaunch(layout, cluster):
         "auto.layout=%s on every worker (e.g. %s=true %s=%r before epl-launch)"
         % (text, cluster.worker_num, text, KEYS["auto.auto_parallel"].env_name,
            KEYS["auto.layout"].env_name, text))
-  if not sys.argv or sys.argv[0] in ("", "-c") or hasattr(sys, "ps1"):
-    raise PlanError("auto.auto_parallel chose the layout %s, which runs in a re-executed "
-                    "process, but this one is interactive or `python -c`: run the script as "
-                    "a file, or %s" % (text, how))
   if os.environ.get("PYTEST_CURRENT_TEST"):
     raise PlanError("auto.auto_parallel chose the layout %s, which runs in a re-executed "
                     "process, but this one is a pytest run (re-executing it would run the "
                     "tests again): run the script as a process, or %s" % (text, how))
+  if not sys.argv or sys.argv[0] in ("", "-c") or hasattr(sys, "ps1"):
+    raise PlanError("auto.auto_parallel chose the layout %s, which runs in a re-executed "
+                    "process, but this one is interactive or `python -c`: run the script as "
+                    "a file, or %s" % (text, how))
   log.warning("auto.auto_parallel: only tensor parallelism fits auto.device_memory: "
               "re-executing this process with auto.layout=%s (skip the planning next time: "
               "%s)", text, how)
