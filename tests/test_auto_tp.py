@@ -22,13 +22,25 @@ from tests.workers import auto_tp_worker as worker
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def local():
+@contextlib.contextmanager
+def _wide_model_restored():
+  """worker.build widens gpt2_lm's module constants: put them back after."""
   saved = gpt2_lm.EMBD, gpt2_lm.LAYERS
   try:
-    return sm.train(worker.build, worker.data(), worker.STEPS, worker.ROWS)
+    yield
   finally:
     gpt2_lm.EMBD, gpt2_lm.LAYERS = saved
+
+
+def _train_wide(config):
+  with _wide_model_restored():
+    return sm.train(worker.build, worker.data(), 1, worker.ROWS, config=config)
+
+
+@pytest.fixture(scope="module")
+def local():
+  with _wide_model_restored():
+    return sm.train(worker.build, worker.data(), worker.STEPS, worker.ROWS)
 
 
 def _same(losses, variables, local):
@@ -105,25 +117,17 @@ def _second_pass(grads, session_first):
 def test_under_pytest_the_choice_is_an_error_not_a_second_test_session(local):
   config = epl.Config({"auto.auto_parallel": True, "pipeline.num_micro_batch": 2,
                        "cluster.devices_per_worker": 8, "auto.device_memory": "3MB"})
-  saved = gpt2_lm.EMBD, gpt2_lm.LAYERS
-  try:
-    with pytest.raises(epl.errors.PlanError, match=r"chose the layout \{\"micro_batches\": 4, "
-                       r"\"split\": 2\}.*pytest run.*EPL_AUTO_LAYOUT="):
-      sm.train(worker.build, worker.data(), 1, worker.ROWS, config=config)
-  finally:
-    gpt2_lm.EMBD, gpt2_lm.LAYERS = saved
+  with pytest.raises(epl.errors.PlanError, match=r"chose the layout \{\"micro_batches\": 4, "
+                     r"\"split\": 2\}.*pytest run.*EPL_AUTO_LAYOUT="):
+    _train_wide(config)
 
 
 def test_a_budget_nothing_meets_names_the_degrees_tried(local):
   config = epl.Config({"auto.auto_parallel": True, "cluster.devices_per_worker": 8,
                        "auto.device_memory": "100KB"})
-  saved = gpt2_lm.EMBD, gpt2_lm.LAYERS
-  try:
-    with pytest.raises(epl.errors.PlanError, match=r"no plan fits auto.device_memory=100KB.*nor "
-                       r"does tensor parallelism \(epl.split of degree 2 or 4 or 8\)"):
-      sm.train(worker.build, worker.data(), 1, worker.ROWS, config=config)
-  finally:
-    gpt2_lm.EMBD, gpt2_lm.LAYERS = saved
+  with pytest.raises(epl.errors.PlanError, match=r"no plan fits auto.device_memory=100KB.*nor "
+                     r"does tensor parallelism \(epl.split of degree 2 or 4 or 8\)"):
+    _train_wide(config)
 
 
 def test_a_multi_worker_job_is_told_to_set_the_layout_on_every_worker():
