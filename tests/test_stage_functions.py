@@ -70,6 +70,23 @@ def test_parity_at_16_and_64_micro_batches_each_way_the_step_is_written(micro, s
     calls = _calls(pg)
     assert len(calls.calls) == 2 * 4 * micro                   # one call per action
     assert len(calls.bodies) == 8
+    # every body sits on its stage's CPU device: TF's single-threaded executor runs it
+    assert {c.get_attr("executor_type") for c in calls.calls.values()} == {
+        b"SINGLE_THREADED_EXECUTOR"}
+
+
+def test_a_body_runs_single_threaded_only_on_one_cpu_device():
+  from tensorflow.core.framework import function_pb2
+  from epl.passes.stage_bodies import executor_type
+  fdef = function_pb2.FunctionDef()
+  fdef.node_def.add(name="a", op="Identity", device="/job:worker/task:0/device:CPU:1")
+  fdef.node_def.add(name="copied", op="Const")                 # a copied constant: the call's
+  cpu1 = "/job:worker/replica:0/task:0/device:CPU:1"
+  assert executor_type(fdef, cpu1) == "SINGLE_THREADED_EXECUTOR"
+  assert executor_type(fdef, "/job:worker/replica:0/task:0/device:GPU:1") == ""   # streams
+  assert executor_type(fdef, "/job:worker/replica:0/task:0/device:CPU:2") == ""   # send/recv
+  fdef.node_def.add(name="b", op="Identity", device="/job:worker/task:1/device:CPU:1")
+  assert executor_type(fdef, cpu1) == ""                       # a node on another task
 
 
 def test_parity_on_resource_variables_and_replicated_stages():

@@ -331,9 +331,11 @@ def _node(fdef, name, op, inputs, **attrs):
   return node
 
 
-def call_node(graph_def, name, fname, device, inputs, in_types, out_types, config):
+def call_node(graph_def, name, fname, device, inputs, in_types, out_types, config,
+              executor=""):
   """A ``StatefulPartitionedCall`` of ``fname`` (stateful: bodies hold random ops and
-  py_funcs, and CSE must not merge two micro-batches' calls), marked as epl's."""
+  py_funcs, and CSE must not merge two micro-batches' calls), marked as epl's; ``executor``:
+  the body's executor type (``executor_type``)."""
   node = graph_def.node.add(name=name, op="StatefulPartitionedCall", device=device)
   node.input.extend(inputs)
   node.attr["f"].func.name = fname
@@ -341,12 +343,35 @@ def call_node(graph_def, name, fname, device, inputs, in_types, out_types, confi
   node.attr["Tout"].list.type.extend(out_types)
   node.attr["config"].s = b""
   node.attr["config_proto"].s = config
-  node.attr["executor_type"].s = b""
+  node.attr["executor_type"].s = executor.encode()
   node.attr[CALL_ATTR].b = True
   # TF's importer would infer the outputs' shapes from the body, once per call (most of the
   # import at M = 64): the caller sets them from the user's tensors instead
   node.attr["_disable_call_shape_inference"].b = True
   return node
+
+
+SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"
+
+
+def executor_type(fdef, device):
+  """The executor a call on ``device`` runs body ``fdef`` with: TF's single-threaded one
+  (the body's ops one after another on the calling thread, each still using the device's
+  intra-op threads) where it applies -- every node on ``device``, a CPU -- else TF's default.
+  A stage function's body is one micro-batch of one stage: ~0.2 ms of a call went to the
+  default executor's per-op scheduling across threads (docs/benchmarks.md, #50). Not on
+  GPUs: that executor supports no device contexts (streams), and a body placed across devices
+  has send/recv pairs, which it cannot run."""
+  spec = tf.DeviceSpec.from_string(device or "")
+  if spec.device_type != "CPU":
+    return ""
+  for node in fdef.node_def:
+    other = tf.DeviceSpec.from_string(node.device)
+    if any(None not in (getattr(spec, f), getattr(other, f)) and
+           getattr(spec, f) != getattr(other, f)
+           for f in ("job", "replica", "task", "device_type", "device_index")):
+      return ""
+  return SINGLE_THREADED
 
 
 def config_proto():

@@ -41,7 +41,7 @@ from epl import _tf_compat as compat
 from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
 from epl.passes.stage_bodies import (Body, acyclic, call_node, config_proto, constants, cut,
-                                    seed_source, soft_wait)
+                                    executor_type, seed_source, soft_wait)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +265,15 @@ class _Copy:
     graph_def = tf.GraphDef()
     graph_def.versions.CopyFrom(self.ctx.graph.graph_def_versions)
     prefix = "" if self.c == 0 else "EPL_REPLICA_%d" % self.c
-    fnames = {}
+    fnames, executors = {}, {}
     for (s, kind), body in sorted(self.bodies.items()):
       for first in (True, False) if kind == "B" and body.grads else (True,):
         fnames[(s, kind, first)] = "%s_s%d_%s%s" % (base, s, kind, "" if first else "_more")
-        graph_def.library.function.add().CopyFrom(body.function_def(
+        fdef = graph_def.library.function.add()
+        fdef.CopyFrom(body.function_def(
             fnames[(s, kind, first)], self.ctx.nodes, self.device_fn, prefix, first))
+        executors[fnames[(s, kind, first)]] = executor_type(
+            fdef, self.ctx.worker.device_of(self.c, s))
     self._input_map, self._ext, self._call_names, self._seed_nodes = {}, {}, {}, set()
     waits, names = {}, []
     for cloner in self.cloners:
@@ -299,7 +302,8 @@ class _Copy:
         controls = [c for c in (self._control(x, m, name, waits) for x in body.controls) if c]
         call_node(graph_def, name, fnames[(s, kind, first)], self.ctx.worker.device_of(self.c, s),
                   inputs + controls + (["^" + previous] if previous else []),
-                  body.in_types(first), body.out_types(), config)
+                  body.in_types(first), body.out_types(), config,
+                  executors[fnames[(s, kind, first)]])
         names.append(name)
         previous = name
     return graph_def, names, waits
