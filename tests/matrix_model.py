@@ -104,8 +104,12 @@ def variant_for(index):
   return VARIANTS[index % len(VARIANTS)]
 
 
-def _train_op(loss, variant):
-  opt = tf.train.AdamOptimizer(0.01) if variant.optimizer == "adam" else \
+def _train_op(loss, variant, features):
+  # float16 gradients (AMP) carry ~1e-3 relative noise: Adam's default epsilon (1e-8) turns
+  # the noise of a near-zero gradient element into a full step of either sign, so an AMP
+  # cell's Adam divides by sqrt(v) + 1e-4 in both runs
+  epsilon = 1e-4 if "amp" in features else 1e-8
+  opt = tf.train.AdamOptimizer(0.01, epsilon=epsilon) if variant.optimizer == "adam" else \
       tf.train.GradientDescentOptimizer(0.1)
   tvars = tf.trainable_variables()
   if variant.step == "tf.gradients":
@@ -134,7 +138,7 @@ def _build(features, local, variant):
     h = tf.layers.dense(h, HIDDEN, tf.tanh, kernel_initializer=init(3), name="d2")
     logits = tf.layers.dense(h, CLASSES, kernel_initializer=init(4), name="head")
     loss = tf.losses.sparse_softmax_cross_entropy(y, logits)
-  return dict(inputs=(x, y), loss=loss, train_op=_train_op(loss, variant))
+  return dict(inputs=(x, y), loss=loss, train_op=_train_op(loss, variant, features))
 
 
 def data(rows, seed=0):

@@ -19,7 +19,7 @@ from tests import split_models as sm
 from tests.test_multiworker import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS, STEPS = 8, 2
+ROWS, STEPS = 10, 2          # 10 rows: uneven pieces (4 copies x M) wherever a stage is bridged
 AMPLIFY = 20                     # ms: the race amplifier's delay (testing.race_delay_ms)
 FP16_RTOL = 3e-3                 # tests/test_amp.py: AMP O1 against the float32 model
 WORKS = "works"

@@ -63,8 +63,7 @@ def accumulate(ctx, clones, weights, var_op, tg, grad, update, sums=None):
   mean = ctx.plan.communication.reduce_method == "mean"
   part = ctx.plan.part_of(var_op.name) if ctx.plan.is_split(tg) else 0
   copies = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
-  if ctx.plan.stride(tg) > 1:
-    weights = None          # a split (or narrower) TaskGraph sees several copies' rows at once
+  stride = ctx.plan.stride(tg)     # > 1: the TaskGraph sees that many copies' rows at once
   per_copy, first = [], []
   calls = clones.calls
   for c in copies:
@@ -79,7 +78,8 @@ def accumulate(ctx, clones, weights, var_op, tg, grad, update, sums=None):
       if calls is None:
         first.append(parts[0])
       if weights is not None:
-        parts = [_scaled(p, weights, c * count + m) for m, p in enumerate(parts)]
+        parts = [_scaled(p, weights.of(c, m, parts_of(p)[0].dtype.base_dtype, stride))
+                 for m, p in enumerate(parts)]
       per_copy.append(_sum(parts, count if mean else 1))
   item = Item(var_op.name, tg, grad, per_copy, readers_of(grad, update), first, copies, part)
   if count > 1 or weights is not None:
@@ -100,7 +100,8 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
     with tf.device(worker.device_of(c, tg)):
       g = copy_tensor(clones, c, grad)
       first.append(g)
-      factor = sums.factor(c, parts_of(g)[0].dtype.base_dtype, weights, mean)
+      factor = sums.factor(c, parts_of(g)[0].dtype.base_dtype, weights, mean,
+                           ctx.plan.stride(tg))
     summed, add, reset, init = sums.summed(worker.device_of(c, tg), g, factor, shape,
                                            "%s_%d" % (name, c))
     per_copy.append(summed)
@@ -116,30 +117,42 @@ def _accumulate_runs(ctx, clones, weights, var_op, tg, grad, update, sums):
 
 
 class Weights:
-  """The weight of each (copy, micro-batch) piece: ``row_weights`` taken apart once, each
-  scalar cast once per dtype (sliced per variable, they were a third of this pass)."""
+  """The weight of each (copy, micro-batch) piece: ``row_weights`` (index c * M + m) taken
+  apart once, each scalar cast once per dtype (sliced per variable, they were a third of this
+  pass). A TaskGraph with stride s (a split part, a stage on fewer devices) runs in every
+  s-th copy c on the rows of copies c..c+s-1: its weight is theirs averaged
+  (``group_weights``)."""
 
-  def __init__(self, row_weights):
+  def __init__(self, row_weights, count):
     self._tensor = row_weights
-    self._pieces = None
+    self._count = count                     # micro-batches per copy in one run
+    self._pieces = {}                       # stride -> scalars
     self._cast = {}
 
-  def __getitem__(self, key):
-    index, dtype = key
-    if (index, dtype) not in self._cast:
-      if self._pieces is None:
+  def of(self, copy, m, dtype, stride=1):
+    key = (copy, m, dtype, stride)
+    if key not in self._cast:
+      if stride not in self._pieces:
         with tf.device(self._tensor.device):
-          self._pieces = tf.unstack(self._tensor)
-      piece = self._pieces[index]
-      self._cast[(index, dtype)] = piece if piece.dtype == dtype else tf.cast(piece, dtype)
-    return self._cast[(index, dtype)]
+          self._pieces[stride] = tf.unstack(group_weights(self._tensor, stride, self._count))
+      piece = self._pieces[stride][(copy // stride) * self._count + m]
+      self._cast[key] = piece if piece.dtype == dtype else tf.cast(piece, dtype)
+    return self._cast[key]
 
 
-def _scaled(grad, weights, index):
+def group_weights(row_weights, stride, count):
+  """``row_weights`` ([copies x M]) of the groups of ``stride`` consecutive copies: their
+  mean per micro-batch, [copies / stride x M]."""
+  if stride == 1:
+    return row_weights
+  grouped = tf.reshape(row_weights, [-1, stride, count])
+  return tf.reshape(tf.reduce_mean(grouped, axis=1), [-1])
+
+
+def _scaled(grad, weight):
   if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * weights[index, grad.values.dtype.base_dtype],
-                            grad.indices, grad.dense_shape)
-  return grad * weights[index, grad.dtype.base_dtype]
+    return tf.IndexedSlices(grad.values * weight, grad.indices, grad.dense_shape)
+  return grad * weight
 
 
 def loose_rows(t):

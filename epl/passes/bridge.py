@@ -28,8 +28,17 @@ Gradients crossing back are scaled so that the job trains the local model: with
 batch-major gradient is multiplied by k and a gradient gathered from the copies is divided by
 k; with ``sum`` the whole-value gradient each copy reads is divided by k. With one copy per
 replica nothing is inserted (TF's send/recv moves the tensors). The gathers, sums and row
-cuts come from ``epl.collectives`` (``gather_rows``, ``reduce_to``, ``rows_of``). Returns
-``Bridges``.
+cuts come from ``epl.collectives`` (``gather_rows``, ``reduce_to``, ``rows_of``).
+
+Rows split unevenly (a fed batch whose rows are not a multiple of the pieces): accumulate
+weights a TaskGraph's gradient in a run by that run's rows -- w_c (``row_weights``) in
+copy c, w_G (the mean of its copies' w_c) in a narrower TaskGraph that reads the rows of a
+group G of copies -- which is right where the run's backward pass starts at its own loss (a
+mean over its rows). Every backward value is kept in those units, so the update is the
+local one wherever the loss lives: a gradient gathered from copy c into G is multiplied by
+w_c / w_G, a batch-major one scattered from G into copy c divided by it (a value read whole
+keeps its factor: the copies' mean is the same, and a copy with no rows keeps its share).
+With even rows every ratio is 1 and nothing is inserted. Returns ``Bridges``.
 """
 import dataclasses
 from typing import List, Tuple
@@ -37,6 +46,7 @@ from typing import List, Tuple
 import tensorflow.compat.v1 as tf
 
 from epl import _tf_compat as compat
+from epl.passes.accumulate import Weights
 from epl.plan.placement import Collective
 
 
@@ -77,7 +87,10 @@ def bridge(ctx):
     return Bridges([])
   analysis, clones = ctx.result("analyze"), ctx.clones()
   cloned, sources = analysis.cloned_set, frozenset(analysis.sources)
-  splits = ctx.result("replicate").source_splits
+  replication = ctx.result("replicate")
+  splits = replication.source_splits
+  weights = Weights(replication.row_weights, plan.num_micro_batch) \
+      if replication.row_weights is not None else None
   crossings = [x for x in plan.crossings
                if graph.get_tensor_by_name(x.tensor).op in cloned and
                graph.get_operation_by_name(x.consumer) in cloned]
@@ -94,10 +107,10 @@ def bridge(ctx):
             members = tuple(range(lead, lead + every, step))
             if (narrow, wide, members, m) not in counts:
               counts[(narrow, wide, members, m)] = _rows(
-                  clones, graph, crossings, sources, (narrow, wide), members, m)
+                  plan, clones, graph, crossings, sources, (narrow, wide), members, m)
             rows = counts[(narrow, wide, members, m)]
             build(_Site(plan, coll, clones, graph, sources, splits, x,
-                        worker.copies[lead].shard, members, m, rows), built, cache)
+                        worker.copies[lead].shard, members, m, rows, weights), built, cache)
   return Bridges(built)
 
 
@@ -116,6 +129,7 @@ class _Site:
   members: tuple
   m: int
   rows: object
+  weights: object               # accumulate.Weights of uneven rows, or None
 
   @property
   def k(self):
@@ -135,6 +149,21 @@ class _Site:
 
   def values(self):
     return [self.clones.tensor(c, self.tensor, self.m) for c in self.members]
+
+  def in_copy_units(self, value, c, into):
+    """A backward ``value`` of the narrower TaskGraph converted into copy ``c``'s units
+    (``into``), or one of copy c converted into the narrower TaskGraph's: see the module
+    docstring (uneven rows)."""
+    if self.weights is None or not self.x.backward:
+      return value
+    narrow, wide = (self.x.destination, self.x.source) if self.x.gather else \
+        (self.x.source, self.x.destination)
+    dtype = value.dtype.base_dtype
+    with tf.device(value.device):
+      ratio = tf.math.divide_no_nan(            # 0 where the group has no rows
+          self.weights.of(c, self.m, dtype, self.plan.stride(wide)),
+          self.weights.of(self.lead, self.m, dtype, self.plan.stride(narrow)))
+      return tf.math.divide_no_nan(value, ratio) if into else value * ratio
 
 
 def _gather(site, built, cache):
@@ -161,10 +190,11 @@ def _gather(site, built, cache):
   values = site.values()
   key = (x.tensor, site.lead, site.m, user.device, factor)
   if key not in cache:
+    mine = [site.in_copy_units(v, c, into=False) for v, c in zip(values, site.members)]
     if x.batch_major:
-      new = coll.gather_rows(values, user.device, x.axis)
+      new = coll.gather_rows(mine, user.device, x.axis)
     else:
-      new = coll.reduce_to(values, user.device) if x.backward else values[0]
+      new = coll.reduce_to(mine, user.device) if x.backward else values[0]
     with tf.device(user.device):
       cache[key] = _scaled(new, factor)
     built.append(("gather", x.tensor, cache[key]))
@@ -185,6 +215,8 @@ def _scatter(site, built, cache):
           source
       with tf.device(source.device):
         cache[key] = _scaled(piece, factor)
+        if x.batch_major:
+          cache[key] = site.in_copy_units(cache[key], c, into=True)
       built.append(("scatter", x.tensor, cache[key]))
     _retarget(user, {site.tensor, source}, cache[key])
 
@@ -195,12 +227,16 @@ BUILDERS = {(Collective.ALL_GATHER, True): _gather, (Collective.ALL_TO_ALL, True
             (Collective.SPLIT_BATCH, False): _scatter, (Collective.ALL_TO_ALL, False): _scatter}
 
 
-def _rows(clones, graph, crossings, sources, pair, members, m):
+def _rows(plan, clones, graph, crossings, sources, pair, members, m):
   """The batch size of each member copy: from the first batch-major tensor gathered into the
-  narrower TaskGraph of ``pair`` (narrow, wide) (None: the copies split the rows evenly)."""
-  first = next((x for x in crossings if x.gather and x.batch_major and not x.backward and
-                (x.destination, x.source) == pair and
-                graph.get_tensor_by_name(x.tensor).op not in sources), None)
+  narrower TaskGraph of ``pair`` (narrow, wide) -- from ``wide`` itself, else from a
+  TaskGraph running in the same copies (wide, narrow, wide: the second reads the rows of the
+  first) -- None: the copies split the rows evenly."""
+  narrow, wide = pair
+  into = [x for x in crossings if x.gather and x.batch_major and not x.backward and
+          x.destination == narrow and plan.stride(x.source) == plan.stride(wide) and
+          graph.get_tensor_by_name(x.tensor).op not in sources]
+  first = next((x for x in into if x.source == wide), into[0] if into else None)
   if first is None:
     return None
   tensor = graph.get_tensor_by_name(first.tensor)

@@ -86,8 +86,8 @@ def gradient_sync(ctx):
   raw_items, applied_items = [], []
   with graph.as_default(), tf.name_scope(None), tf.control_dependencies(None), \
       tf.name_scope("epl_grad_sync"):
-    weights = Weights(replication.row_weights) if replication.row_weights is not None \
-        else None
+    weights = Weights(replication.row_weights, plan.num_micro_batch) \
+        if replication.row_weights is not None else None
     sums = RunSums(graph, ctx.worker.host, plan.accumulate_runs) \
         if plan.accumulate_runs > 1 else None
     for g in plan.gradients:

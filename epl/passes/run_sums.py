@@ -48,13 +48,13 @@ class RunSums:
       _, alive = tf.raw_ops.Switch(data=self.last, pred=self.last)
       self.gate = tf.identity(alive, name="gate")
 
-  def factor(self, copy, dtype, weights, mean):
+  def factor(self, copy, dtype, weights, mean, stride=1):
     """The scalar copy ``copy``'s gradients of ``dtype`` are multiplied by before they are
     added: its run's row weight (``weights``: accumulate's Weights, or None), divided by the
-    runs for ``mean``; built once per copy and dtype. None: no factor."""
-    key = (copy, dtype)
+    runs for ``mean``; built once per copy, dtype and TaskGraph stride. None: no factor."""
+    key = (copy, dtype, stride)
     if key not in self._factors:
-      factor = weights[copy, dtype] if weights is not None else None
+      factor = weights.of(copy, 0, dtype, stride) if weights is not None else None
       if mean:
         inverse = tf.constant(1.0 / self.runs, dtype)
         factor = inverse if factor is None else factor * inverse

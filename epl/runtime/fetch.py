@@ -24,6 +24,7 @@ from epl import _tf_compat as compat
 from epl.collections_api import MERGE_KINDS
 from epl.errors import PlanError
 from epl.op_tables import ASSIGN_OPS, RANDOM_OPS, is_stage_call
+from epl.passes.accumulate import group_weights
 
 
 class FetchMapper:
@@ -212,14 +213,14 @@ class FetchMapper:
     stage on fewer devices: every ``stride``-th copy) in each of its runs and micro-batches,
     and their row weights."""
     worker, plan = self.parallel.worker, self.parallel.plan
-    k, micro = plan.shards, self._clones.num_micro_batch
+    micro = self._clones.num_micro_batch
     leads = [c for c in range(worker.num_copies) if worker.runs(c, tg)]
     pieces = [self._clones.tensor(c, t, m) for c in leads for m in range(micro)]
     weights = None
-    if self._weights is not None and plan.stride(tg) == k and micro == 1:
+    if self._weights is not None:
       with compat.unfinalized(self.graph), self.graph.as_default(), tf.name_scope(None), \
           tf.device(self.parallel.worker.host):
-        weights = tf.reduce_mean(tf.reshape(self._weights, [-1, k]), axis=1)
+        weights = group_weights(self._weights, plan.stride(tg), micro)
     return pieces, weights
 
   def _batch_major(self, t):
