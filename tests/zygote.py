@@ -225,8 +225,11 @@ def _accept(listener, children, mine, private):
   for fd in fds:
     os.close(fd)
   conn.settimeout(None)
-  conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
   children[pid] = conn
+  try:
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+  except OSError:               # the client left before its answer (a killed launcher):
+    os.kill(pid, signal.SIGKILL)  # its worker goes too; the loop reaps it
 
 
 def _refusal(request, mine):
