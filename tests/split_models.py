@@ -172,11 +172,13 @@ def load_whole(sess, variables, values):
 
 
 def train(build, data, steps, rows, config=None, initial=None, fetch=("loss",),
-          measure_memory=False, eval_rows=3, session_first=False, race_free=False):
+          measure_memory=False, eval_rows=3, session_first=False, race_free=True):
   """Trains ``steps`` steps of ``rows`` rows; ``config`` None: the local run.
   ``session_first``: the session is opened before ``build()`` runs, as scripts that build
-  their model inside ``with tf.Session() as sess:`` do; ``race_free``: the local run takes
-  each step as its reads, then its updates (``epl.testing.race_free_step``)."""
+  their model inside ``with tf.Session() as sess:`` do; ``race_free`` (the default): the
+  local run takes each step as its reads, then its updates (``epl.testing.race_free_step``)
+  -- a plain TF1 step lets a layer's backward read a weight its update already changed,
+  so the reference itself would differ from run to run."""
   graph = tf.Graph()
   with graph.as_default():
     tf.set_random_seed(0)

@@ -71,7 +71,7 @@ def test_uneven_rows_train_the_local_model_in_every_bridged_layout(name, step, m
   variant = mm.Variant(step, resource=step == "compute_gradients", optimizer="sgd")
   rows = 11              # 2 replicas x 2 copies x M pieces: never even
   data = mm.data(rows * STEPS + 3)
-  local = sm.train(lambda: _build(layout, variant, True), data, STEPS, rows, race_free=True)
+  local = sm.train(lambda: _build(layout, variant, True), data, STEPS, rows)
   config = epl.Config({"cluster.devices_per_worker": 2 * sum(k for _, k in layout),
                        "pipeline.num_micro_batch": micro})
   run = sm.train(lambda: _build(layout, variant, False), data, STEPS, rows, config=config,
@@ -104,7 +104,7 @@ def test_gpt2_on_the_planners_mixed_counts_with_uneven_rows(counts, grads, monke
     return dict(inputs=(t["placeholders"]["context"],), loss=t["loss"],
                 train_op=t["train_op"])
   data = (gpt2_lm.make_data(rows * STEPS)["context"],)
-  local = sm.train(build, data, STEPS, rows, race_free=True)
+  local = sm.train(build, data, STEPS, rows)
   config = epl.Config({"auto.auto_parallel": True, "cluster.devices_per_worker": sum(counts),
                        "pipeline.num_micro_batch": 2})
   run = sm.train(build, data, STEPS, rows, config=config, initial=local.initial)

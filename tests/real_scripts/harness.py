@@ -64,12 +64,13 @@ def steps_of(rows_per_step, steps, last=None):
 
 
 def run(script, batch, data, batches, mode=None, initial=None, extra=(), feed=None,
-        after=None, config=None, seed=3, stage=None, race_free=False, build=None):
+        after=None, config=None, seed=3, stage=None, race_free=True, build=None):
   """Trains one step per row slice of ``batches``; ``feed(tensors)`` adds feeds to every step,
   ``after(sess, tensors)`` runs once training is done (evaluation, prediction); ``stage``: the
   script's stage annotation under epl (default: ``replicate(1, name="stage_<i>")`` scopes).
-  ``race_free``: the local run (no ``mode``) takes each step as all reads, then all updates
-  (``epl.testing.race_free_step``); ``build``: keyword arguments of ``script.build``."""
+  ``race_free`` (the default): the local run (no ``mode``) takes each step as all reads, then
+  all updates (``epl.testing.race_free_step``; a plain TF1 step races its backward's reads
+  with its updates); ``build``: keyword arguments of ``script.build``."""
   run_stage = stage
   graph = tf.Graph()
   with graph.as_default():
