@@ -70,8 +70,8 @@ def scopes(features, local=False):
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """How the script around the model is written (the axes users vary, issue #48): the step
-  (``minimize``; ``compute_gradients`` + ``apply_gradients``; ``tf.gradients`` +
-  ``apply_gradients`` without a global step), ref or resource variables, SGD or Adam (its
+  (``minimize``; ``compute_gradients`` + ``clip_by_global_norm`` + ``apply_gradients``;
+  ``tf.gradients`` + ``apply_gradients`` without a global step), ref or resource variables, SGD or Adam (its
   default epsilon: no weight of this model has a zero true gradient), and whether the
   session is opened before the model is built."""
   step: str = "minimize"
@@ -115,8 +115,10 @@ def _train_op(loss, variant, features):
   if variant.step == "tf.gradients":
     return opt.apply_gradients(zip(tf.gradients(loss, tvars), tvars))
   step = tf.train.get_or_create_global_step()
-  if variant.step == "compute_gradients":
-    return opt.apply_gradients(opt.compute_gradients(loss, tvars), global_step=step)
+  if variant.step == "compute_gradients":     # clipped by the global norm, as published
+    pairs = opt.compute_gradients(loss, tvars)  # trainers do (0.1: it binds on this model)
+    clipped, _ = tf.clip_by_global_norm([g for g, _ in pairs], 0.1)
+    return opt.apply_gradients(zip(clipped, tvars), global_step=step)
   return opt.minimize(loss, global_step=step)
 
 

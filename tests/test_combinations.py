@@ -112,15 +112,26 @@ def test_a_pair_with_data_parallelism_across_workers_trains_the_local_model(pair
   _across_workers(pair, tmp_path, mm.variant_for(len(ONE_WORKER) + ACROSS.index(pair)))
 
 
-@pytest.mark.parametrize("features", [("dp_workers", "zero_v2", "apply_groups"),
-                                      ("dp_workers", "zero_v1", "offload"),
-                                      ("dp_workers", "zero_v1", "mixed")], ids="+".join)
-def test_zero_cells_built_in_51_across_workers_train_the_local_model(features, tmp_path):
+CLIPPED = mm.Variant("compute_gradients")
+
+
+@pytest.mark.parametrize("features,variant", [
+    (("dp_workers", "zero_v2", "apply_groups"), mm.Variant()),
+    (("dp_workers", "zero_v1", "offload"), mm.Variant()),
+    (("dp_workers", "zero_v1", "mixed"), mm.Variant()),
+    (("dp_workers", "zero_v1", "pipeline"), CLIPPED),
+    (("dp_workers", "zero_v2", "pipeline", "split"), CLIPPED)],
+    ids=lambda v: "+".join(v) if isinstance(v, tuple) else str(v))
+def test_zero_cells_built_in_51_across_workers_train_the_local_model(features, variant,
+                                                                     tmp_path):
   """ZeRO v2 x num_apply_group across 2 workers: each worker groups the updates of the
   weights its copies own, the others arrive by the owners' broadcast. ZeRO v1 x offload
   (ZeRO-Offload): each worker's host keeps the optimizer state of what it owns. ZeRO v1 x
-  stages on different device counts: a narrower stage's owners are copies that run it."""
-  _across_workers(features, tmp_path)
+  stages on different device counts: a narrower stage's owners are copies that run it.
+  ZeRO x stage functions (pipeline; split stages) with the step clipped by the global norm:
+  the norm reads every gradient, so each is all-reduced (the reduce-scatter to owners would
+  leave each worker a partial norm) -- found from the calls' sums, not the user's gradient."""
+  _across_workers(features, tmp_path, variant)
 
 
 def test_the_recipe_set_at_once_across_workers_trains_the_local_model(tmp_path):

@@ -108,6 +108,9 @@ def test_the_3d_recipe_on_one_worker_trains_the_local_model(tmp_path, layout, st
     ("DP 2 x PP 2 x TP 2, 4 micro-batches, ZeRO v1, checkpointing: 2 workers x 4", 4, 2,
      {"pipeline.num_micro_batch": 4, "gradient_checkpoint.type": "auto", "zero.level": "v1"},
      1e-5),
+    # replicated stages (stage functions), GPT-2's step clipped by the global norm
+    ("DP 2 x PP 2, 4 micro-batches, ZeRO v2: 2 workers x 2", 2, -2,
+     {"pipeline.num_micro_batch": 4, "zero.level": "v2"}, 1e-5),
 ])
 def test_the_3d_recipe_across_workers_trains_the_local_model(tmp_path, layout, devices, stages,
                                                              config, rtol):

@@ -177,10 +177,13 @@ def _mark_reduced(graph, report, variables, ops):
 
 def _combined(items):
   """True when an op reads (through data edges) the gradients of two or more variables, like
-  a global norm for clipping."""
+  a global norm for clipping. Walked from the user's gradient and from what its readers read
+  now (the accumulated sum: with stage functions a call's result, which the user's gradient
+  no longer reaches)."""
   reached = {}                       # op -> the variable whose gradient reaches it
   for item in items:
-    work = [t.op for t in parts_of(item.grad)]
+    work = [t.op for t in parts_of(item.grad)] + [
+        t.op for g in item.per_copy[:1] for t in parts_of(g)]
     while work:
       for out in work.pop().outputs:
         for reader in out.consumers():

@@ -1,7 +1,7 @@
 """The GPT-2-style LM (tests/real_scripts/gpt2_lm.py) tensor parallel on 2 workers: each worker
 holds one model replica (the data-parallel copies are across the workers) and feeds its half
 of every step's rows; ``STAGES`` split scopes of 2 parts each (2: a pipeline of tensor-parallel
-stages), Config keys from the JSON argument.
+stages; -2: 2 replicated stages, no split), Config keys from the JSON argument.
 
 usage: tp_worker.py OUT_DIR STEPS ROWS STAGES CONFIG_JSON
 """
@@ -34,6 +34,8 @@ def main():
       (lambda i: epl.split(2, name="stage%d" % i))
   if stages == 0:                                   # data parallel only
     stage = lambda i: epl.replicate(1, name="dp")                # noqa: E731
+  if stages < 0:                                    # -k: k replicated stages, no split
+    stage = lambda i: epl.replicate(1, name="stage%d" % i)       # noqa: E731
   run = sm.train(lambda: _build(stage, 2), data, steps, half, config=config, initial=initial)
   plan = run.parallel.plan
   zero = run.parallel.results.get("zero")
