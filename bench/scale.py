@@ -76,8 +76,9 @@ def _block(tf, h, hidden, heads, name):
     return h + tf.layers.dense(m, hidden, name="mlp_proj")
 
 
-def build(tf, epl, layers, hidden, heads, stages, by_hand=1):
-  """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes.
+def build(tf, epl, layers, hidden, heads, stages, by_hand=1, split=1):
+  """The model; ``stages`` > 1 cuts its blocks into that many epl.replicate scopes (with
+  ``split`` > 1: epl.split scopes of that many parts, tensor parallelism in each stage).
   ``by_hand`` > 1: the local script's own gradient accumulation over that many micro-batches,
   as TF1 users write it (``train`` is then (accumulate, apply and zero): ``by_hand`` runs of
   the first, each on its rows, then one of the second)."""
@@ -87,7 +88,8 @@ def build(tf, epl, layers, hidden, heads, stages, by_hand=1):
     if stages == 1:
       import contextlib
       return contextlib.nullcontext()
-    return epl.replicate(1, name="stage_%d" % (i * stages // layers))
+    name = "stage_%d" % (i * stages // layers)
+    return epl.split(split, name=name) if split > 1 else epl.replicate(1, name=name)
 
   with scope(0):
     wte = tf.get_variable("wte", [VOCAB, hidden],

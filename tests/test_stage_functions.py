@@ -106,13 +106,14 @@ def test_transformer_blocks_at_16_micro_batches():
                                      for i in range(2)], optimizer="momentum", steps=3)
 
 
-def _gpt_ops(layers, micro):
-  """Ops of bench/scale.py's GPT-style stack on 4 stages after epl's rewrite."""
+def _gpt_ops(layers, micro, split=1):
+  """Ops of bench/scale.py's GPT-style stack on 4 stages after epl's rewrite (``split``:
+  each stage an epl.split of that many parts)."""
   import bench.scale as scale
   graph = tf.Graph()
   with graph.as_default():
-    epl.init(epl.Config(_config(micro)))
-    scale.build(tf, epl, layers, 64, 4, 4)
+    epl.init(epl.Config(_config(micro, devices=4 * split)))
+    scale.build(tf, epl, layers, 64, 4, 4, split=split)
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())          # epl rewrites here
     return len(graph.get_operations()), epl.Graph.get()
@@ -308,3 +309,88 @@ def test_1f1b_holds_at_most_stages_micro_batches_and_gpipe_all_of_them():
   assert f64 - f16 <= 2 * 48 * fed + 0.1 * f16, (f16, f64)
   assert g64 - g16 >= 0.75 * 48 * saved, (g16, g64)          # GPipe: every micro-batch's
   assert g64 >= 2 * f64, (f64, g64)
+
+
+# ---- split (TP) stages as stage functions (docs/design/tp_stage_functions.md, (a)) --------
+def _gpt2_tp(style):
+  """model.py's GPT-2 (tests/real_scripts/gpt2_lm.py: heads split under epl.split, wte tied
+  across the two stages), the step written ``style``'s way, SGD (Adam's epsilon turns the
+  zero-gradient key bias's float noise into full steps: gpt2_lm.build)."""
+  def build(scope):
+    context = tf.placeholder(tf.int32, [None, gpt2_lm.CTX + 1], name="context")
+    logits = gpt2_lm.model(context[:, :-1], scope)
+    with scope(1):
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=context[:, 1:], logits=logits))
+    return _step(loss, "sgd", style), loss, {"context": context}
+  return build
+
+
+def _split_stages(i):
+  return epl.split(2, name="stage%d" % i)
+
+
+@pytest.mark.parametrize("micro", [16, 64])
+def test_tp_inside_two_pipeline_stages_trains_the_local_model_each_way(micro):
+  feeds = [{"context": c} for c in np.split(gpt2_lm.make_data(2 * micro)["context"], 2)]
+  for style in STYLES:
+    build = _gpt2_tp(style)
+    pg = _same(_train(build, feeds=feeds), build, _config(micro), feeds,
+               scopes=_split_stages)
+    calls = _calls(pg)
+    assert len(calls.calls) == 2 * 2 * micro and len(calls.bodies) == 4
+    for call in calls.calls.values():          # a body spans its stage's two part devices
+      assert call.get_attr("executor_type") == b""
+    library = {f.signature.name: f for f in pg.graph.as_graph_def().library.function}
+    for call in calls.calls.values():
+      devices = {tf.DeviceSpec.from_string(n.device).device_index
+                 for n in library[call.get_attr("f").name].node_def if n.device}
+      assert len(devices) == 2, devices
+
+
+def test_tp_stages_graph_does_not_grow_with_micro_batches():
+  at16, pg = _gpt_ops(6, 16, split=2)
+  at64, _ = _gpt_ops(6, 64, split=2)
+  assert len(_calls(pg).bodies) == 8
+  assert at64 <= 1.25 * at16, (at16, at64)
+
+
+def test_a_tf_collective_or_a_stage_across_workers_falls_back_to_clones():
+  """A body runs in one process, and a TF collective in it would repeat its instance key in
+  every call of a step: both fall back under 'auto' and are refused under 'functions'."""
+  from epl.passes import stage_functions
+
+  def build(scope):
+    x = tf.placeholder(tf.float32, [None, 4], name="x")
+    with scope(0):
+      h = tf.layers.dense(x, 4, name="d0")
+    with scope(1):
+      summed = tf.raw_ops.CollectiveReduceV2(
+          input=h, group_size=1, group_key=7, instance_key=7, ordering_token=[],
+          merge_op="Add", final_op="Id")
+      loss = tf.reduce_mean(tf.layers.dense(h + tf.stop_gradient(summed), 1, name="d1"))
+    return tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+  def rewrite(mode):
+    graph = tf.Graph()
+    with graph.as_default():
+      epl.init(epl.Config(_config(4, mode=mode, devices=2)))
+      build(lambda i: epl.replicate(1, name="stage%d" % i))
+      with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())          # epl rewrites here
+      return epl.Graph.get()
+  micro = rewrite("auto").results["micro_batch"]
+  assert micro.calls is None and "CollectiveReduceV2" in micro.fallback, micro
+  with pytest.raises(NotImplementedYetError, match="'functions' cannot build.*TF collective"):
+    rewrite("functions")
+
+  class Op:                                     # a stage's ops on two workers' devices
+    def __init__(self, device):
+      self.device, self.type = device, "MatMul"
+  ctx = type("Ctx", (), {"plan": type("Plan", (), {"taskgraphs": [
+      type("T", (), {"name": "stage0"})]})})
+  member = {Op("/job:worker/replica:0/task:0/device:CPU:1"): (0, "F"),
+            Op("/job:worker/replica:0/task:1/device:CPU:1"): (0, "F")}
+  assert "several workers" in stage_functions._one_process(ctx, member)
+  member.popitem()
+  assert stage_functions._one_process(ctx, member) is None

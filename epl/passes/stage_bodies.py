@@ -13,17 +13,10 @@ from epl import _tf_compat as compat
 from epl.op_tables import (DATA_SOURCE_OPS, PLACEHOLDER_OPS, RANDOM_OPS, READ_OPS,
                            VARIABLE_OPS, mutates)
 from epl.passes.clone import live_inputs, own_seeds
+from epl.passes.stage_seeds import STATELESS, stateless
 
 CALL_ATTR = "_epl_stage_call"
 _STACK_OPS = ("Stack", "TensorArray")
-# A stateful kernel inside a function lives in its instantiation, and TF instantiates per run
-# signature (an evaluation run, a step that fetches one more tensor): a random op's stream
-# would restart there. A body's random ops are stateless instead, seeded per call from a
-# stateful op outside (one stream for the whole job, as the user's own ops have).
-_STATELESS = {"RandomUniform": "StatelessRandomUniform",
-              "RandomStandardNormal": "StatelessRandomNormal",
-              "TruncatedNormal": "StatelessTruncatedNormal",
-              "RandomUniformInt": "StatelessRandomUniformInt"}
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _FLOW_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge",
                        "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
@@ -48,7 +41,7 @@ def _refused(op):
     return "op %r (%s) is inside a v1 tf.cond / tf.while_loop of the step" % (op.name, op.type)
   if op.type.startswith(_STACK_OPS):
     return "op %r (%s) keeps per-step state a call cannot hand on" % (op.name, op.type)
-  if op.type in RANDOM_OPS and op.type not in _STATELESS:
+  if op.type in RANDOM_OPS and op.type not in STATELESS:
     return ("op %r (%s) draws random numbers and has no stateless kernel a call could seed"
             % (op.name, op.type))
   if _writes_variable(op):
@@ -76,7 +69,7 @@ def cut(ctx, compute, needed, added=None):
     if op not in needed:
       per_micro = any(t.op in varies for t in op.inputs) or any(
           x in varies for x in op.control_inputs) or _is_source(op, sources)
-      if per_micro and ctx.phase.get(op) == "forward":
+      if per_micro and ctx.phase.get(op) == "forward" and not unread_whole(ctx, op):
         post.append(op)
         varies.add(op)
       else:
@@ -97,6 +90,18 @@ def cut(ctx, compute, needed, added=None):
     else:
       varies.discard(op)                      # a weight's read: the same in every micro-batch
   return body, pre, post, idle
+
+
+def unread_whole(ctx, op):
+  """True for a split value's whole concatenation (``plan.wholes``) that no op and no
+  collection reads: it would only run for a fetch, and a training run's fetch of it is then
+  the clear error of a tensor inside a body (fetch.py); a collection hands it out."""
+  if op.name not in ctx.plan.wholes or compat.control_outputs(op) or any(
+      t.consumers() for t in op.outputs):
+    return False
+  graph = op.graph
+  return not any(x is op or x in op.outputs for key in graph.get_all_collection_keys()
+                 for x in graph.get_collection(key))
 
 
 def _shape_only(op, stage, body, added, ctx):
@@ -196,7 +201,7 @@ class Body:
     self.result_index = {t.name: i for i, t in enumerate(self.results)}
     self.grads = [t for op in ops for t in op.outputs if t in grads]     # summed in the body
     self.weighted = weighted
-    self.random = [op.name for op in ops if op.type in _STATELESS]    # seeded per call
+    self.random = [op.name for op in ops if op.type in STATELESS]    # seeded per call
 
   def in_types(self, first):
     return [_enum(t) for t in self.args] + ([] if first else [_enum(g) for g in self.grads]) \
@@ -232,7 +237,7 @@ class Body:
     for i, t in enumerate(self.results):
       fdef.signature.output_arg.add(name="r%d" % i, type=_enum(t))
       fdef.ret["r%d" % i] = outs[t.name]
-    self._add_sums(fdef, outs, first)
+    self._add_sums(fdef, outs, first, device_fn)
     return fdef
 
   def _add_node(self, fdef, op, node_def, device, prefix, outs, ref):
@@ -253,15 +258,18 @@ class Body:
         continue                                  # an outside wait: the call waits instead
       key = "%s:%d" % (src, index)
       node.input.append(outs[key] if src in self.names else ref[key])
-    if op.type in _STATELESS:
-      _stateless(fdef, node, self.random.index(op.name))
+    if op.type in STATELESS:
+      stateless(fdef, node, self.random.index(op.name))
     if op.op_def.is_stateful:
       fdef.signature.is_stateful = True
 
-  def _add_sums(self, fdef, outs, first):
-    """Results ``g<i>``: sum (argument ``s<i>``, not in ``first``) + weight x gradient."""
+  def _add_sums(self, fdef, outs, first, device_fn):
+    """Results ``g<i>``: sum (argument ``s<i>``, not in ``first``) + weight x gradient, on
+    the gradient's device (a split stage's part 1 sums its own gradients)."""
     for i, g in enumerate(self.grads):
       value, dtype = outs[g.name], _enum(g)
+      device = "" if g.op in self.copied else device_fn(g.op) or ""
+      start = len(fdef.node_def)
       if self.weighted:
         w = "w"
         if g.dtype.base_dtype != self.weighted:
@@ -273,51 +281,10 @@ class Body:
       if not first:
         _node(fdef, "epl_sum%d" % i, "AddV2", ["s%d" % i, value], T=dtype)
         value = "epl_sum%d:z:0" % i
+      for node in fdef.node_def[start:]:
+        node.device = device
       fdef.signature.output_arg.add(name="g%d" % i, type=dtype)
       fdef.ret["g%d" % i] = value
-
-
-def _stateless(fdef, node, index):
-  """Turns random NodeDef ``node`` (the body's ``index``-th) into its stateless twin, seeded
-  by the call's ``seed`` argument plus ``[0, index]``."""
-  offset = fdef.node_def.add(name="epl_seed%d_offset" % index, op="Const")
-  offset.attr["dtype"].type = tf.int64.as_datatype_enum
-  offset.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([0, index], tf.int64))
-  _node(fdef, "epl_seed%d" % index, "AddV2", ["seed", "epl_seed%d_offset:output:0" % index],
-        T=tf.int64.as_datatype_enum)
-  if node.op == "RandomUniformInt":
-    node.attr["dtype"].type = node.attr["Tout"].type
-    del node.attr["Tout"]
-  for key in ("seed", "seed2"):
-    del node.attr[key]
-  node.attr["Tseed"].type = tf.int64.as_datatype_enum
-  node.op = _STATELESS[node.op]
-  node.input.insert(1, "epl_seed%d:z:0" % index)
-
-
-def seed_source(graph_def, name, count, device, seeds):
-  """Nodes of ``graph_def`` that draw ``count`` call seeds (int64 [2] each) from one stateful
-  op: ``name``'s outputs 0..count-1. ``seeds``: its (seed, seed2)."""
-  shape = graph_def.node.add(name=name + "/shape", op="Const", device=device)
-  shape.attr["dtype"].type = tf.int32.as_datatype_enum
-  shape.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([count, 2], tf.int32))
-  bounds = []
-  for bound, value in (("min", 0), ("max", 2 ** 62)):
-    node = graph_def.node.add(name="%s/%s" % (name, bound), op="Const", device=device)
-    node.attr["dtype"].type = tf.int64.as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int64))
-    bounds.append(node.name)
-  draw = graph_def.node.add(name=name + "/draw", op="RandomUniformInt", device=device)
-  draw.input.extend([shape.name] + bounds)
-  draw.attr["Tout"].type = tf.int64.as_datatype_enum
-  draw.attr["T"].type = tf.int32.as_datatype_enum
-  draw.attr["seed"].i, draw.attr["seed2"].i = seeds
-  unpack = graph_def.node.add(name=name, op="Unpack", device=device)
-  unpack.input.append(draw.name)
-  unpack.attr["T"].type = tf.int64.as_datatype_enum
-  unpack.attr["num"].i = count
-  unpack.attr["axis"].i = 0
-  return [name + "/draw", name]
 
 
 def _node(fdef, name, op, inputs, **attrs):

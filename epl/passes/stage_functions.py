@@ -41,7 +41,8 @@ from epl import _tf_compat as compat
 from epl.passes.clone import Cloner
 from epl.passes.replicate import device_function
 from epl.passes.stage_bodies import (Body, acyclic, call_node, config_proto, constants, cut,
-                                    executor_type, seed_source, soft_wait)
+                                    executor_type, soft_wait, unread_whole)
+from epl.passes.stage_seeds import seed_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +136,9 @@ def survey(ctx, compute, needed, added=None):
   member, pre, post, idle = found
   if not member:
     return "the step has no forward/backward ops to run"
+  why = _one_process(ctx, member)
+  if why:
+    return why
   grads = _gradients(ctx, member)
   if isinstance(grads, str):
     return grads
@@ -143,6 +147,24 @@ def survey(ctx, compute, needed, added=None):
   if not acyclic(reads):
     return "the stages' forward/backward ops read each other in a cycle"
   return Survey(member, pre, post, idle, grads, frozenset(exported))
+
+
+def _one_process(ctx, member):
+  """Why a body cannot hold its ops (None: it can): a body runs in one process -- TF's
+  function call has no rendezvous across processes -- and a TF collective in a body would
+  repeat its instance key in every call of a step (docs/design/tp_stage_functions.md)."""
+  tasks = {}
+  for op, (stage, _) in member.items():
+    if op.type.startswith("Collective"):
+      return "op %r of stage %s is a TF collective (%s)" % (
+          op.name, ctx.plan.taskgraphs[stage].name, op.type)
+    spec = tf.DeviceSpec.from_string(op.device or "")
+    tasks.setdefault(stage, set()).add((spec.job, spec.replica, spec.task))
+  spread = [s for s, found in tasks.items() if len(found) > 1]
+  if spread:
+    return "stage %s's ops are on several workers (a split stage's parts across workers)" % (
+        ctx.plan.taskgraphs[spread[0]].name)
+  return None
 
 
 def build(ctx, found):
@@ -179,7 +201,8 @@ def build(ctx, found):
     sums.update({(copy.c, name): t for name, t in copy.sums.items()})
   return StageCalls(calls, exports, sums,
                     {k: tuple(op.name for op in ops) for k, ops in ops_of.items()}, outside,
-                    tuple(op.name for op in idle if ctx.phase.get(op) != "forward"))
+                    tuple(op.name for op in idle
+                          if ctx.phase.get(op) != "forward" or unread_whole(ctx, op)))
 
 
 class _Copy:

@@ -118,7 +118,8 @@ def build_plan(graph, recorder, config, cluster, upto_version=None):
       schedule=tuple(tuple(str(a) for a in stage) for stage in schedule),
       gradients=gradients, shared_variables=tuple(sorted(
           v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_STEP))),
-      parts=parts, crossings=crossings, reductions=reductions, gathers=gathers, **common)
+      parts=parts, crossings=crossings, reductions=reductions, gathers=gathers,
+      wholes=tuple(sorted(t.op.name for t in recorder.sharded)), **common)
 
 
 def _attribute(graph, recorder, upto):

@@ -60,9 +60,11 @@ def stage_functions(config, placements, micro, crossings, shards):
   if setting == "auto" and len(placements) < 2:
     return ""                       # one stage: accumulation as runs, or clones
   why = None
-  if any(p.kind != REPLICATE for p in placements):
-    why = "a stage is split (epl.split: tensor parallelism)"
-  elif crossings:
+  # a split stage beside device_count-1 stages is one multi-device body per (stage, F/B):
+  # crossings then need no bridge (docs/design/tp_stage_functions.md)
+  if shards > 1 and any(p.kind != REPLICATE for p in placements):
+    why = "a split stage (epl.split) runs beside a stage with device_count > 1"
+  elif crossings and shards > 1:
     why = "stages are replicated on different numbers of devices"
   elif shards > 1:
     why = "a stage has device_count > 1 (its copies share a replica's rows)"

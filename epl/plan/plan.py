@@ -191,6 +191,9 @@ class ParallelPlan:
   # ops of split TaskGraphs that read a split value whole (no rule covers them): the gather
   # fallback (split.gather_fallback)
   gathers: Tuple[Gather, ...] = ()
+  # the split values' whole concatenations (op names): they run only if something reads them
+  # (a crossing, a fetch), so stage functions leave an unread one out of the step
+  wholes: Tuple[str, ...] = ()
   memory: Memory = Memory()
   # gradient accumulation as session runs (graph.micro_batches): each user step is this many
   # runs of the graph's one copy per device, the update in the last; num_micro_batch is then 1
@@ -290,6 +293,7 @@ class ParallelPlan:
     raw["crossings"] = tuple(Crossing(**c) for c in raw["crossings"])
     raw["reductions"] = {int(t): tuple(n) for t, n in raw.get("reductions", {}).items()}
     raw["gathers"] = tuple(Gather(**g) for g in raw.get("gathers", ()))
+    raw["wholes"] = tuple(raw.get("wholes", ()))
     memory = dict(raw.get("memory", {}))
     memory["checkpoints"] = tuple(memory.get("checkpoints", ()))
     raw["memory"] = Memory(**memory)
