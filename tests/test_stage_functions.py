@@ -330,15 +330,19 @@ def _split_stages(i):
   return epl.split(2, name="stage%d" % i)
 
 
-@pytest.mark.parametrize("micro", [16, 64])
-def test_tp_inside_two_pipeline_stages_trains_the_local_model_each_way(micro):
-  feeds = [{"context": c} for c in np.split(gpt2_lm.make_data(2 * micro)["context"], 2)]
+@pytest.mark.parametrize("micro,replicas,strategy", [
+    (16, 1, "PreferBackward"), (64, 1, "PreferBackward"), (16, 2, "PreferForward")],
+    ids=["m16", "m64", "m16-dp2-gpipe"])
+def test_tp_inside_two_pipeline_stages_trains_the_local_model_each_way(micro, replicas,
+                                                                      strategy):
+  feeds = [{"context": c} for c in np.split(
+      gpt2_lm.make_data(2 * micro * replicas)["context"], 2)]
   for style in STYLES:
     build = _gpt2_tp(style)
-    pg = _same(_train(build, feeds=feeds), build, _config(micro), feeds,
-               scopes=_split_stages)
+    pg = _same(_train(build, feeds=feeds), build,
+               _config(micro, strategy, devices=4 * replicas), feeds, scopes=_split_stages)
     calls = _calls(pg)
-    assert len(calls.calls) == 2 * 2 * micro and len(calls.bodies) == 4
+    assert len(calls.calls) == replicas * 2 * 2 * micro and len(calls.bodies) == 4
     for call in calls.calls.values():          # a body spans its stage's two part devices
       assert call.get_attr("executor_type") == b""
     library = {f.signature.name: f for f in pg.graph.as_graph_def().library.function}
