@@ -389,8 +389,17 @@ def test_zero_v1_across_workers_reduce_scatters_only_gradients_nothing_else_comb
     a, b = tf.Variable(tf.ones([3])), tf.Variable(tf.ones([2]))
     loss = tf.reduce_sum(a * a) + tf.reduce_sum(b)
     grads = tf.gradients(loss, [a, b])
-    plain = [types.SimpleNamespace(grad=g, variable=v.op.name) for g, v in zip(grads, [a, b])]
+    plain = [types.SimpleNamespace(grad=g, variable=v.op.name, per_copy=[g])
+             for g, v in zip(grads, [a, b])]
     tf.train.AdamOptimizer(0.1).apply_gradients(zip(grads, [a, b]))
     assert not grad_sync._combined(plain)         # pylint: disable=protected-access
     tf.clip_by_global_norm(grads, 1.0)
     assert grad_sync._combined(plain)             # pylint: disable=protected-access
+    # stage functions: the readers read the calls' sums, which the user's gradients do not
+    # reach (a clipped step across workers trained another model when only those were walked)
+    sums = [tf.identity(tf.zeros_like(g)) for g in grads]
+    called = [types.SimpleNamespace(grad=tf.identity(g), variable=v.op.name, per_copy=[s])
+              for g, s, v in zip(grads, sums, [a, b])]
+    assert not grad_sync._combined(called)        # pylint: disable=protected-access
+    tf.clip_by_global_norm(sums, 1.0)
+    assert grad_sync._combined(called)            # pylint: disable=protected-access

@@ -98,6 +98,42 @@ def test_parity_on_resource_variables_and_replicated_stages():
   assert len(_calls(pg).calls) == 2 * 2 * 4 * 16
 
 
+@pytest.mark.parametrize("micro", [16, 64])
+def test_stages_of_device_count_2_train_the_local_model_each_way(micro):
+  """``replicate(device_count=2)`` stages (a replica's 2 copies share its rows, fed through
+  placeholders): every copy calls the bodies on its rows; an input pipeline cut across a
+  stage's devices falls back (test_an_iterator_cut_across_a_stages_devices_falls_back)."""
+  feeds = _feeds(micro, rows_per_micro=2 * 2)
+  for style in STYLES:
+    build = _four_stages(style)
+    pg = _same(_train(build, feeds=feeds), build, _config(micro, devices=8), feeds,
+               scopes=lambda i: epl.replicate(2, name="stage%d" % i))
+    assert pg.plan.shards == 2 and len(_calls(pg).calls) == 2 * 2 * 4 * micro
+
+
+def test_an_iterator_cut_across_a_stages_devices_falls_back():
+  """(An input pipeline's batch per micro-batch: its parity is tests/test_pipeline.py's.)"""
+  rng = np.random.RandomState(0)
+  data = (rng.randn(64, 16).astype(np.float32), rng.randint(0, 10, 64))
+  graph = tf.Graph()
+  with graph.as_default():
+    epl.init(epl.Config(_config(4, mode="auto", devices=4)))
+    x, y = tf.data.Dataset.from_tensor_slices(data).repeat().batch(
+        8).make_one_shot_iterator().get_next()
+    h = x
+    for s in range(2):
+      with epl.replicate(2, name="stage%d" % s):
+        h = tf.layers.dense(h, 16, tf.nn.relu, name="d%d" % s)
+    with epl.replicate(2, name="stage1"):
+      loss = tf.losses.sparse_softmax_cross_entropy(y, tf.layers.dense(h, 10, name="out"))
+    train = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+      sess.run(tf.global_variables_initializer())
+      assert np.isfinite(sess.run([loss, train])[0])
+    micro_batches = epl.Graph.get().results["micro_batch"]
+  assert micro_batches.calls is None and "input pipeline" in micro_batches.fallback
+
+
 def test_transformer_blocks_at_16_micro_batches():
   from epl.testing import assert_parity
   from tests import models

@@ -136,6 +136,9 @@ def survey(ctx, compute, needed, added=None):
   member, pre, post, idle = found
   if not member:
     return "the step has no forward/backward ops to run"
+  if ctx.result("replicate").source_splits:
+    return ("an input pipeline's batch is cut across the devices of a stage with "
+            "device_count > 1 (feed it through placeholders)")
   why = _one_process(ctx, member)
   if why:
     return why

@@ -66,8 +66,6 @@ def stage_functions(config, placements, micro, crossings, shards):
     why = "a split stage (epl.split) runs beside a stage with device_count > 1"
   elif crossings and shards > 1:
     why = "stages are replicated on different numbers of devices"
-  elif shards > 1:
-    why = "a stage has device_count > 1 (its copies share a replica's rows)"
   if why is None:
     return "required" if setting == "functions" else "auto"
   if setting == "functions":
