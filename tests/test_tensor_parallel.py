@@ -87,6 +87,8 @@ def test_the_3d_recipe_on_one_worker_trains_the_local_model(tmp_path, layout, st
   run = _parity(stage, config, rtol=rtol)
   plan = run.parallel.plan
   assert len(plan.copies) == 2, layout            # DP 2 around the parts
+  calls = run.parallel.results["micro_batch"].calls     # TP stages as stage functions (#50)
+  assert calls is not None and len(calls.calls) == 2 * 2 * 2 * 4, layout
   stages = [t.name for t in plan.taskgraphs]
   assert [t.placement.kind for t in plan.taskgraphs] == ["split"] * len(stages), layout
   # the plan's picture: each device holds one (stage, part, replica)
