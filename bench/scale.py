@@ -3,7 +3,8 @@
   python bench/scale.py [--layers 6,12,24] [--layouts local,dp8,dp8_m4,pipe4_dp2_m8] [--bert]
                         [--bert-rows 32] [--bert-seq 128] [--bert-parts] [--local-bfc]
                         [--steps 5] [--grappler on|off|auto]
-                        [--micro-batches auto|runs|functions|clones] [--json]
+                        [--micro-batches auto|runs|functions|clones] [--split 2]
+                        [--hidden 256] [--json]
 
 Each configuration runs in a fresh process (one worker, ``cluster.devices_per_worker`` virtual
 CPU devices): a GPT-style stack of L transformer blocks (hidden 256, 4 heads, sequence 32,
@@ -133,7 +134,9 @@ def child(spec):
                             "pipe4_m16": (4, 16, 4), "pipe4_m64": (4, 64, 4)}.get(
                                 layout, (1, 1, 1))          # local_rN: the local script, N rows
   by_hand = 8 if layout == "local_m8" else 1
+  split = spec.get("split", 1)            # > 1: every stage an epl.split of that many parts
   copies = devices // stages
+  devices *= split
   epl, rewrite = None, {}
   if not layout.startswith("local"):
     import epl
@@ -156,7 +159,7 @@ def child(spec):
       epl.set_default_strategy(epl.replicate(1))
   imported = time.time()
   tokens, labels, loss, train = build(tf, epl, spec["layers"], spec["hidden"], spec["heads"],
-                                      stages, by_hand)
+                                      stages, by_hand, split)
   built = time.time()
   graph = tf.get_default_graph()
   user_ops = len(graph.get_operations())
@@ -231,13 +234,18 @@ def main():
   p.add_argument("--micro-batches", default="auto",
                  choices=["auto", "runs", "functions", "clones"],
                  help="epl's graph.micro_batches key for the layouts with micro-batches")
+  p.add_argument("--split", type=int, default=1,
+                 help="every stage of the pipe4 layouts an epl.split of this many parts "
+                      "(tensor parallelism inside the stages; devices x this)")
+  p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
   if args.child:
     return child(json.loads(args.child))
-  specs = [dict(name="L%s %s" % (layers, layout), layers=int(layers), hidden=256, heads=4,
-                layout=layout, steps=args.steps, grappler=args.grappler,
-                micro_batches=args.micro_batches)
+  specs = [dict(name="L%s %s" % (layers, layout), layers=int(layers), hidden=args.hidden,
+                heads=4, layout=layout, steps=args.steps, grappler=args.grappler,
+                micro_batches=args.micro_batches,
+                **({"split": args.split} if layout.startswith("pipe4") else {}))
            for layers in args.layers.split(",") if layers for layout in args.layouts.split(",")]
   if args.bert:
     specs += [dict(name="BERT-base local", layers=12, hidden=768, heads=12, layout="local",
