@@ -8,7 +8,6 @@ narrower one, between two wide ones, and the published GPT-2 model on the layout
 chose in CI (1:6:1, 8 rows per micro-batch over 6 devices)."""
 import contextlib
 
-import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
@@ -17,6 +16,7 @@ from epl.runtime import auto_stages
 from tests import matrix_model as mm
 from tests import split_models as sm
 from tests.real_scripts import gpt2_lm
+from tests.test_auto_memory import _same
 
 STEPS = 2
 
@@ -52,14 +52,6 @@ def _build(layout, variant, local):
     return dict(inputs=(x, y), loss=loss, train_op=mm._train_op(loss, variant, ()))
 
 
-def _close(run, local):
-  np.testing.assert_allclose([f["loss"] for f in run.fetched],
-                             [f["loss"] for f in local.fetched], rtol=1e-5, atol=1e-6)
-  for name, value in local.variables.items():
-    np.testing.assert_allclose(run.variables[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
-
-
 CELLS = [(name, step, micro) for name in LAYOUTS
          for step, micro in (("minimize", 1), ("compute_gradients", 2), ("tf.gradients", 2))
          if name != "wide then narrow" or step == "tf.gradients"]
@@ -77,7 +69,7 @@ def test_uneven_rows_train_the_local_model_in_every_bridged_layout(name, step, m
   run = sm.train(lambda: _build(layout, variant, False), data, STEPS, rows, config=config,
                  initial=local.initial)
   assert run.parallel.plan.shards == 2 and run.parallel.num_copies == 4
-  _close(run, local)
+  _same(run, local)
 
 
 def _fixed_plan(counts, cut, micro):
@@ -109,4 +101,4 @@ def test_gpt2_on_the_planners_mixed_counts_with_uneven_rows(counts, grads, monke
                        "pipeline.num_micro_batch": 2})
   run = sm.train(build, data, STEPS, rows, config=config, initial=local.initial)
   assert [t.name for t in run.parallel.plan.taskgraphs] == ["stage_0", "stage_1", "stage_2"]
-  _close(run, local)
+  _same(run, local)

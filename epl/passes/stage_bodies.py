@@ -96,7 +96,7 @@ def unread_whole(ctx, op):
   """True for a split value's whole concatenation (``plan.wholes``) that no op and no
   collection reads: it would only run for a fetch, and a training run's fetch of it is then
   the clear error of a tensor inside a body (fetch.py); a collection hands it out."""
-  if op.name not in ctx.plan.wholes or compat.control_outputs(op) or any(
+  if op.name not in ctx.plan.whole_set or compat.control_outputs(op) or any(
       t.consumers() for t in op.outputs):
     return False
   graph = op.graph

@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import functools
 import json
-from typing import Dict, Mapping, Tuple
+from typing import Dict, FrozenSet, Mapping, Tuple
 
 from epl.cluster import worker_of
 from epl.plan.gather import Gather
@@ -265,6 +265,11 @@ class ParallelPlan:
     """{op name: (TaskGraph index, phase)} (computed once per plan)."""
     return {name: (t.index, phase) for t in self.taskgraphs
             for phase, names in t.ops.items() for name in names}
+
+  @functools.cached_property
+  def whole_set(self) -> FrozenSet[str]:
+    """``wholes`` as a set (looked up per op by the stage-functions cut)."""
+    return frozenset(self.wholes)
 
   def for_worker(self, index):
     """This worker's part of the plan."""
